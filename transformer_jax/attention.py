@@ -1,0 +1,134 @@
+"""Attention masks, scaled dot-product attention and multi-head attention with a KV cache.
+
+Shape letters: b = batch, q = query length, k = key/value length, h = heads, d = head dim.
+Masks are booleans, True = may attend, broadcastable to [b, h, q, k].
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+# Added to masked scores. Finite, so a fully masked row gives uniform weights, not NaN.
+_MASKED_SCORE = jnp.finfo(jnp.float32).min
+
+
+def causal_mask(length: int) -> Array:
+  """[length, length] lower-triangular mask: position i may attend to positions <= i."""
+  return jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
+
+
+def padding_mask(query_tokens: Array, key_tokens: Array, pad_id: int = 0) -> Array:
+  """[b, 1, q, k] mask: True where neither the query nor the key token is padding."""
+  return ((query_tokens != pad_id)[:, None, :, None] & (key_tokens != pad_id)[:, None, None, :])
+
+
+def segment_mask(query_segments: Array, key_segments: Array) -> Array:
+  """[b, 1, q, k] mask for packed sequences: True where query and key share a segment."""
+  return query_segments[:, None, :, None] == key_segments[:, None, None, :]
+
+
+def combine_masks(*masks: Array | None) -> Array | None:
+  """Logical AND of the masks that are not None (None if all are)."""
+  present = [m for m in masks if m is not None]
+  if not present:
+    return None
+  combined = present[0]
+  for m in present[1:]:
+    combined = jnp.logical_and(combined, m)
+  return combined
+
+
+def dot_product_attention(query: Array, key: Array, value: Array, mask: Array | None = None, *,
+                          return_weights: bool = False, dropout_rate: float = 0.0,
+                          dropout_rng: Array | None = None):
+  """softmax(Q K^T / sqrt(d) + mask) V, per head.
+
+  Args:
+    query: [b, q, h, d].
+    key: [b, k, h, d].
+    value: [b, k, h, d].
+    mask: boolean, broadcastable to [b, h, q, k]; True = may attend.
+    return_weights: also return the attention weights [b, h, q, k].
+    dropout_rate: dropout on the attention weights (needs `dropout_rng`).
+    dropout_rng: PRNG key for that dropout; None = no dropout.
+
+  Returns:
+    [b, q, h, d] outputs in `value.dtype`, and the float32 weights if `return_weights`.
+  """
+  head_dim = query.shape[-1]
+  # Scores and softmax in float32, whatever the activation dtype.
+  scores = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
+  scores = scores / jnp.sqrt(jnp.float32(head_dim))  # [b, h, q, k]
+  if mask is not None:
+    scores = jnp.where(mask, scores, _MASKED_SCORE)
+  weights = jax.nn.softmax(scores, axis=-1)  # [b, h, q, k], rows sum to 1
+  attended = weights
+  if dropout_rng is not None and dropout_rate > 0.0:
+    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
+    attended = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
+  out = jnp.einsum("bhqk,bkhd->bqhd", attended.astype(value.dtype), value)  # [b, q, h, d]
+  return (out, weights) if return_weights else out
+
+
+class MultiHeadAttention(nn.Module):
+  """Multi-head attention: project Q/K/V, attend per head, concatenate, project out.
+
+  In decode mode (self-attention only) keys and values are kept in a 'cache' collection of
+  shape [b, max_len, h, d]: a call with n new tokens writes them at `cache_index` and attends
+  causally over everything written so far, so a prefix can be filled in one call and then
+  extended one token per call. The cache is created by an `init` in decode mode on inputs of
+  the full decode length.
+  """
+  num_heads: int
+  qkv_dim: int
+  dropout_rate: float = 0.0
+  dtype: Any = jnp.float32
+  kernel_init: Callable = nn.initializers.xavier_uniform()
+
+  @nn.compact
+  def __call__(self, inputs_q: Array, inputs_kv: Array, mask: Array | None = None, *,
+               deterministic: bool = True, decode: bool = False,
+               return_weights: bool = False):
+    if self.qkv_dim % self.num_heads:
+      raise ValueError(f"qkv_dim={self.qkv_dim} must be divisible by num_heads={self.num_heads}.")
+    head_dim = self.qkv_dim // self.num_heads
+    projection = lambda name: nn.DenseGeneral(
+        (self.num_heads, head_dim), dtype=self.dtype, kernel_init=self.kernel_init, name=name)
+    query = projection("query")(inputs_q)  # [b, q, h, d]
+    key = projection("key")(inputs_kv)  # [b, k, h, d]
+    value = projection("value")(inputs_kv)  # [b, k, h, d]
+
+    if decode:
+      key, value, mask = self._update_cache(key, value, mask)
+
+    dropout_rng = None
+    if not deterministic and self.dropout_rate > 0.0:
+      dropout_rng = self.make_rng("dropout")
+    out, weights = dot_product_attention(query, key, value, mask, return_weights=True,
+                                         dropout_rate=self.dropout_rate, dropout_rng=dropout_rng)
+    out = nn.DenseGeneral(inputs_q.shape[-1], axis=(-2, -1), dtype=self.dtype,
+                          kernel_init=self.kernel_init, name="out")(out)  # [b, q, emb]
+    return (out, weights) if return_weights else out
+
+  def _update_cache(self, key: Array, value: Array, mask: Array | None):
+    """Writes the new keys/values into the cache; returns all cached ones and their mask."""
+    initialized = self.has_variable("cache", "cached_key")
+    cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+    cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+    cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+    if not initialized:  # the init pass only creates the cache
+      return key, value, mask
+    num_new, max_len = key.shape[1], cached_key.value.shape[1]
+    index = cache_index.value
+    cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key, (0, index, 0, 0))
+    cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, value, (0, index, 0, 0))
+    cache_index.value = index + num_new
+    # New token i (at absolute position index + i) sees cached positions <= index + i.
+    query_positions = index + jnp.arange(num_new)[:, None]  # [q, 1]
+    causal = jnp.arange(max_len)[None, :] <= query_positions  # [q, max_len]
+    return cached_key.value, cached_value.value, combine_masks(causal[None, None], mask)

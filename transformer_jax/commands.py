@@ -1,0 +1,46 @@
+"""The `--mode evaluate` and `--mode predict` commands, on a trained workdir."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+from absl import logging
+
+from transformer_jax import evaluation
+from transformer_jax import predict
+from transformer_jax import train
+
+
+def run_evaluate(workdir: str, step: int | None = None, split: str = "test") -> dict:
+  """Task metrics of the workdir's checkpoint (latest unless `step`) on `split`."""
+  translator = predict.Translator.from_workdir(workdir, step)
+  config = translator.config
+  pairs, _, encoded = train.prepare_data(config, workdir, (split,))
+  evaluator = evaluation.Evaluator(translator.model, translator.tokenizer,
+                                   translator.batch_size, config.max_target_length)
+  result = evaluator.evaluate(translator.replicated_params, encoded[split], [t for _, t in pairs[split]])
+  result.update(step=translator.step, split=split, examples=len(encoded[split]))
+  logging.info("Evaluated step %d on %s: %s", translator.step, split, result)
+  return result
+
+
+@contextlib.contextmanager
+def _open(path: str, mode: str):
+  if path == "-":
+    # Invalid UTF-8 in the input is replaced, never fatal.
+    stream = sys.stdin if "r" in mode else sys.stdout
+    stream.reconfigure(encoding="utf-8", errors="replace")
+    yield stream
+  else:
+    with open(path, mode, encoding="utf-8", errors="replace") as f:
+      yield f
+
+
+def run_predict(workdir: str, input_path: str, output_path: str, step: int | None = None) -> None:
+  """Translates `input_path` line by line into `output_path` ('-' = stdin / stdout)."""
+  translator = predict.Translator.from_workdir(workdir, step)
+  with _open(input_path, "r") as source, _open(output_path, "w") as sink:
+    for output in translator.translate_lines(source):
+      sink.write(output.replace("\n", " ") + "\n")
+      sink.flush()

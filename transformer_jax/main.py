@@ -1,0 +1,62 @@
+"""Entry point: train (default), evaluate a checkpoint, or translate a file.
+
+  python -m transformer_jax.main --config configs/demo.py --workdir runs/demo
+  python -m transformer_jax.main --workdir runs/demo --mode evaluate
+  python -m transformer_jax.main --workdir runs/demo --mode predict --input in.txt --output -
+"""
+
+import json
+import logging as std_logging
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, tokenizer and config.")
+flags.DEFINE_enum("mode", "train", ["train", "evaluate", "predict"], "What to do.")
+flags.DEFINE_integer("checkpoint_step", None, "evaluate / predict: this step, not the latest.")
+flags.DEFINE_string("input", "-", "predict: a file with one source text per line, - = stdin.")
+flags.DEFINE_string("output", "-", "predict: where outputs go, one per line, - = stdout.")
+config_flags.DEFINE_config_file("config", None, "Config file (training; evaluate and predict "
+                                "default to the workdir's saved config).", lock_config=True)
+flags.mark_flag_as_required("workdir")
+
+
+class _QuietLibraries(std_logging.Filter):
+  """Drops the INFO chatter of checkpointing internals; warnings and errors still show."""
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  logging.get_absl_handler().addFilter(_QuietLibraries())
+  # Imported here so --help stays fast and flag errors come before JAX starts.
+  from transformer_jax import checkpoints
+  from transformer_jax import commands
+
+  workdir = flags.FLAGS.workdir
+  try:
+    if flags.FLAGS.mode == "train":
+      if flags.FLAGS.config is None:
+        raise app.UsageError("Training needs --config, e.g. --config configs/demo.py.")
+      from transformer_jax import train
+      train.train_and_evaluate(flags.FLAGS.config, workdir)
+    elif flags.FLAGS.mode == "evaluate":
+      result = commands.run_evaluate(workdir, flags.FLAGS.checkpoint_step)
+      print(json.dumps(result), flush=True)
+    else:
+      commands.run_predict(workdir, flags.FLAGS.input, flags.FLAGS.output,
+                       flags.FLAGS.checkpoint_step)
+  except (checkpoints.CheckpointError, ValueError, FileNotFoundError) as e:
+    logging.error("%s", e)
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  app.run(main)

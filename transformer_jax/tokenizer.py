@@ -1,0 +1,75 @@
+"""SentencePiece tokenizer: train on a text sample, save, load, encode, decode.
+
+Reserved ids: 0 = padding, 1 = end of sequence, 2 = beginning of sequence, 3 = unknown.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Iterable, Sequence
+
+import numpy as np
+import sentencepiece as spm
+
+PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
+
+
+class Tokenizer:
+  """A SentencePiece model with the reserved ids above."""
+
+  def __init__(self, model_proto: bytes):
+    self.model_proto = model_proto
+    self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+    if (self._sp.pad_id(), self._sp.eos_id(), self._sp.bos_id()) != (PAD_ID, EOS_ID, BOS_ID):
+      raise ValueError("This SentencePiece model does not use pad=0, eos=1, bos=2; retrain it "
+                       "with transformer_jax.tokenizer.train_tokenizer.")
+
+  @property
+  def vocab_size(self) -> int:
+    return self._sp.get_piece_size()
+
+  def encode(self, text: str) -> list[int]:
+    return self._sp.encode(text)
+
+  def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+    """Decodes up to the first EOS; padding and reserved ids are dropped."""
+    ids = [int(i) for i in ids]
+    if EOS_ID in ids:
+      ids = ids[:ids.index(EOS_ID)]
+    return self._sp.decode([i for i in ids if i > UNK_ID])
+
+  def save(self, path: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+      f.write(self.model_proto)
+    os.replace(tmp, path)  # atomic: a killed run never leaves a truncated model
+
+  @classmethod
+  def load(cls, path: str) -> "Tokenizer":
+    with open(path, "rb") as f:
+      return cls(f.read())
+
+
+def train_tokenizer(sentences: Iterable[str], vocab_size: int, *,
+                    character_coverage: float = 1.0, byte_fallback: bool = False,
+                    model_type: str = "unigram", max_sentences: int = 1_000_000) -> Tokenizer:
+  """Trains a SentencePiece model on (a sample of) `sentences`."""
+  model = io.BytesIO()
+  spm.SentencePieceTrainer.train(
+      sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size,
+      model_type=model_type, character_coverage=character_coverage,
+      byte_fallback=byte_fallback, input_sentence_size=max_sentences,
+      shuffle_input_sentence=True, hard_vocab_limit=False,
+      pad_id=PAD_ID, eos_id=EOS_ID, bos_id=BOS_ID, unk_id=UNK_ID,
+      minloglevel=2)
+  return Tokenizer(model.getvalue())
+
+
+def load_or_train(path: str, sentences: Iterable[str], vocab_size: int, **kwargs) -> Tokenizer:
+  """Loads the tokenizer at `path`, training and saving it there first if it is missing."""
+  if os.path.exists(path):
+    return Tokenizer.load(path)
+  tokenizer = train_tokenizer(sentences, vocab_size, **kwargs)
+  tokenizer.save(path)
+  return tokenizer

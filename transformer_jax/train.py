@@ -1,0 +1,208 @@
+"""Training and evaluation loop: `train_and_evaluate(config, workdir)`."""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from absl import logging
+from clu import metric_writers
+from flax.training import train_state
+
+from transformer_jax import checkpoints
+from transformer_jax import evaluation
+from transformer_jax import metrics
+from transformer_jax import models
+from transformer_jax import parallel
+from transformer_jax import predict
+from transformer_jax import tokenizer as tokenizer_lib
+from transformer_jax.data import pipeline
+from transformer_jax.data import sources
+
+
+class NonFiniteLossError(RuntimeError):
+  pass
+
+
+def rsqrt_schedule(peak_learning_rate: float, warmup_steps: int) -> optax.Schedule:
+  """Linear warmup to the peak, then decay with 1/sqrt(step), as in the paper."""
+
+  def schedule(count):
+    step = jnp.asarray(count, jnp.float32) + 1.0  # optax counts from 0
+    warmup = jnp.float32(max(warmup_steps, 1))
+    return peak_learning_rate * jnp.minimum(step / warmup, jnp.sqrt(warmup / step))
+
+  return schedule
+
+
+def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """Adam (0.9, 0.98, 1e-9) on the rsqrt schedule; optional clipping and weight decay."""
+  schedule = rsqrt_schedule(config.learning_rate, config.warmup_steps)
+  adam = optax.adamw(schedule, b1=0.9, b2=0.98, eps=1e-9, weight_decay=config.weight_decay)
+  if config.grad_clip_norm > 0:
+    return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), adam)
+  return adam
+
+
+def prepare_data(config: ml_collections.ConfigDict, workdir: str, splits=sources.SPLITS):
+  """Text pairs of `splits`, the workdir's tokenizer (trained on first use), token arrays."""
+  pairs = sources.load_pairs(config)
+  tokenizer_path = os.path.join(workdir, predict.TOKENIZER_FILE)
+  if not os.path.exists(tokenizer_path):
+    logging.info("Training a %d-piece SentencePiece tokenizer on the training split.",
+                 config.model.vocab_size)
+  tokenizer = tokenizer_lib.load_or_train(
+      tokenizer_path, (text for pair in pairs["train"] for text in pair),
+      config.model.vocab_size, model_type=config.tokenizer.model_type,
+      character_coverage=config.tokenizer.character_coverage,
+      byte_fallback=config.tokenizer.byte_fallback)
+  encoded = {}
+  for split in splits:
+    encoded[split] = pipeline.encode_pairs(pairs[split], tokenizer, config.max_source_length,
+                                           config.max_target_length)
+    if encoded[split].num_truncated:
+      logging.warning("%s: %d texts truncated to max_source_length=%d / max_target_length=%d.",
+                      split, encoded[split].num_truncated, config.max_source_length,
+                      config.max_target_length)
+  return pairs, tokenizer, encoded
+
+
+def train_step(state: train_state.TrainState, batch, rng, *, model: models.EncoderDecoder,
+               label_smoothing: float):
+  """One update on the global batch; runs under pmap, reduces over all devices."""
+  # Different dropout on every step and device, reproducible from (rng, step, device).
+  step_rng = jax.random.fold_in(jax.random.fold_in(rng, state.step),
+                                jax.lax.axis_index(parallel.AXIS))
+  targets = batch["targets"]
+  weights = (targets > 0).astype(jnp.float32)
+  # Dividing by the global token count makes the summed gradients an exact token mean.
+  denominator = jax.lax.psum(jnp.sum(weights), parallel.AXIS)
+
+  def loss_fn(params):
+    logits = model.apply({"params": params}, batch["inputs"], targets, deterministic=False,
+                         rngs={"dropout": step_rng})
+    loss = metrics.smoothed_cross_entropy(logits, targets, label_smoothing)
+    return jnp.sum(loss * weights) / denominator, logits
+
+  (_, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  grads = jax.lax.psum(grads, parallel.AXIS)
+  new_state = state.apply_gradients(grads=grads)
+  sums = metrics.token_metrics(logits, targets, weights)
+  return new_state, jax.lax.psum(sums, parallel.AXIS)
+
+
+def create_state(config: ml_collections.ConfigDict, model: models.EncoderDecoder,
+                 rng) -> train_state.TrainState:
+  shape = (1, config.max_source_length), (1, config.max_target_length)
+  params = model.init(rng, jnp.ones(shape[0], jnp.int32), jnp.ones(shape[1], jnp.int32),
+                      deterministic=True)["params"]
+  return train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                       tx=make_optimizer(config))
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Trains `config` in `workdir`, resuming from its latest checkpoint; returns final eval."""
+  # ---- Setup ----------------------------------------------------------------------------
+  os.makedirs(workdir, exist_ok=True)
+  is_chief = jax.process_index() == 0
+  writer = metric_writers.create_default_writer(workdir, just_logging=not is_chief)
+  num_devices = jax.local_device_count()
+  global_batch_size = config.per_device_batch_size * jax.device_count()
+
+  # ---- Data -----------------------------------------------------------------------------
+  pairs, tokenizer, encoded = prepare_data(config, workdir, ("train", config.eval_split))
+  train_batches = pipeline.TrainBatches(encoded["train"], global_batch_size, config.seed,
+                                        jax.process_index(), jax.process_count())
+  eval_data, eval_refs = encoded[config.eval_split], [t for _, t in pairs[config.eval_split]]
+  logging.info("Data: %d train / %d %s pairs; vocabulary %d; global batch %d on %d devices.",
+               len(encoded["train"]), len(eval_data), config.eval_split, tokenizer.vocab_size,
+               global_batch_size, jax.device_count())
+
+  # ---- Model and optimizer --------------------------------------------------------------
+  model_config = models.model_config(config.model)
+  if tokenizer.vocab_size > model_config.vocab_size:
+    raise ValueError(f"The tokenizer has {tokenizer.vocab_size} pieces but config.model."
+                     f"vocab_size={model_config.vocab_size}; raise config.model.vocab_size.")
+  model = models.EncoderDecoder(model_config)
+  rng = jax.random.PRNGKey(config.seed)
+  init_rng, dropout_rng = jax.random.split(rng)
+  state = jax.jit(functools.partial(create_state, config, model))(init_rng)
+  num_params = sum(x.size for x in jax.tree.leaves(state.params))
+  logging.info("Model: %s parameters.", f"{num_params:,}")
+
+  # ---- Restore --------------------------------------------------------------------------
+  manager = checkpoints.manager(workdir, config.keep_checkpoints)
+  if manager.latest_step() is not None:
+    params, opt_state, step = checkpoints.restore(manager, state.params, state.opt_state)
+    state = state.replace(step=step, params=params, opt_state=opt_state)
+    logging.info("Resumed from checkpoint at step %d", step)
+  predict.save_config(workdir, config)  # after a successful restore: a mismatch keeps the old
+  start_step = int(state.step)
+
+  # ---- Compiled steps -------------------------------------------------------------------
+  p_train_step = jax.pmap(
+      functools.partial(train_step, model=model, label_smoothing=config.label_smoothing),
+      axis_name=parallel.AXIS, donate_argnums=(0,))
+  evaluator = evaluation.Evaluator(model, tokenizer, config.per_device_batch_size * num_devices,
+                                   config.max_target_length)
+  state = parallel.replicate(state)
+  dropout_rngs = parallel.replicate(dropout_rng)
+
+  def run_eval(step: int) -> dict:
+    result = evaluator.evaluate(state.params, eval_data, eval_refs, config.num_bleu_examples)
+    writer.write_scalars(step, {f"eval_{k}": v for k, v in result.items()})
+    logging.info("step %d eval: %s", step,
+                 ", ".join(f"{k} {v:.4f}" for k, v in sorted(result.items())))
+    return result
+
+  def save(step: int):
+    host_state = parallel.unreplicate(state)
+    checkpoints.save(manager, step, host_state.params, host_state.opt_state)
+
+  # ---- Training loop --------------------------------------------------------------------
+  result = {}
+  sums, last_log_time, last_log_step = None, time.time(), start_step
+  batches = train_batches.iterate(start_step)
+  for step in range(start_step, config.num_train_steps):
+    batch = parallel.shard(next(batches))
+    state, step_sums = p_train_step(state, batch, dropout_rngs)
+    # Accumulated on device: the host only waits at log time.
+    sums = step_sums if sums is None else jax.tree.map(jnp.add, sums, step_sums)
+    done = step + 1
+    if done % config.log_every_steps == 0 or done == config.num_train_steps:
+      host_sums = jax.tree.map(lambda x: np.asarray(x[0]), sums)
+      train_metrics = metrics.normalize(host_sums)
+      if not np.isfinite(train_metrics["loss"]):
+        raise NonFiniteLossError(
+            f"Training loss became {train_metrics['loss']} at step {done}; stopping without "
+            "saving. Lower config.learning_rate or raise config.warmup_steps, then resume from "
+            "the last checkpoint by re-running the same command.")
+      elapsed = time.time() - last_log_time
+      steps_per_sec = (done - last_log_step) / elapsed
+      eta_min = (config.num_train_steps - done) / steps_per_sec / 60
+      lr = float(rsqrt_schedule(config.learning_rate, config.warmup_steps)(done - 1))
+      writer.write_scalars(done, {
+          "train_loss": train_metrics["loss"], "train_accuracy": train_metrics["accuracy"],
+          "learning_rate": lr, "steps_per_sec": steps_per_sec,
+          "tokens_per_sec": host_sums["denominator"] / elapsed})
+      logging.info("step %d/%d: loss %.4f, lr %.2e, %.2f steps/s, %.0f tokens/s, ETA %.1f min",
+                   done, config.num_train_steps, train_metrics["loss"], lr, steps_per_sec,
+                   host_sums["denominator"] / elapsed, eta_min)
+      sums, last_log_time, last_log_step = None, time.time(), done
+    if done % config.eval_every_steps == 0 or done == config.num_train_steps:
+      result = run_eval(done)
+    if done % config.checkpoint_every_steps == 0 or done == config.num_train_steps:
+      save(done)
+
+  if start_step >= config.num_train_steps:
+    logging.info("Already trained to step %d.", start_step)
+    result = run_eval(start_step)
+  manager.wait_until_finished()
+  writer.flush()
+  return result
