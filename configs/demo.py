@@ -20,11 +20,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.tokenizer = ml_collections.ConfigDict(
       dict(model_type="bpe", character_coverage=1.0, byte_fallback=False))
   # Token lengths (EOS included); longer texts are truncated and counted in the log.
-  config.max_source_length = 32
-  config.max_target_length = 32
+  config.max_source_length = 24
+  config.max_target_length = 28
 
   # Total optimizer steps.
-  config.num_train_steps = 2_000
+  config.num_train_steps = 1_000
   # Examples per device per step; the global batch is this times the device count.
   config.per_device_batch_size = 64
   # Peak learning rate, reached after warmup_steps, then decayed as 1/sqrt(step).
@@ -43,13 +43,13 @@ def get_config() -> ml_collections.ConfigDict:
   # Train metrics are fetched from the devices (and logged) every this many steps.
   config.log_every_steps = 100
   # Evaluate loss / accuracy / BLEU on eval_split every this many steps, and at the end.
-  config.eval_every_steps = 500
+  config.eval_every_steps = 250
   # Split used for evaluation during training; --mode evaluate uses the test split.
   config.eval_split = "validation"
   # Examples greedily translated for BLEU at each evaluation; -1 = the whole split.
   config.num_bleu_examples = 500
   # Save a checkpoint every this many steps, and at the end.
-  config.checkpoint_every_steps = 500
+  config.checkpoint_every_steps = 250
   # Keep the newest this many checkpoints.
   config.keep_checkpoints = 3
 
@@ -61,7 +61,7 @@ def get_config() -> ml_collections.ConfigDict:
       num_layers=3,
       qkv_dim=128,
       mlp_dim=512,
-      max_len=64,
+      max_len=32,
       dropout_rate=0.1,
       attention_dropout_rate=0.0,
       dtype="float32",

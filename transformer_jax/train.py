@@ -195,10 +195,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                    done, config.num_train_steps, train_metrics["loss"], lr, steps_per_sec,
                    host_sums["denominator"] / elapsed, eta_min)
       sums, last_log_time, last_log_step = None, time.time(), done
+    pause_start = time.time()
     if done % config.eval_every_steps == 0 or done == config.num_train_steps:
       result = run_eval(done)
     if done % config.checkpoint_every_steps == 0 or done == config.num_train_steps:
       save(done)
+    last_log_time += time.time() - pause_start  # steps/s and tokens/s count training only
 
   if start_step >= config.num_train_steps:
     logging.info("Already trained to step %d.", start_step)

@@ -1,0 +1,38 @@
+"""Shared fixtures: a tiny demo config that trains in seconds on one CPU core."""
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from configs import demo  # noqa: E402
+
+
+def make_tiny_config(cache_dir: str):
+  config = demo.get_config()
+  config.demo.update(num_train=2000, num_validation=48, num_test=48, cache_dir=cache_dir)
+  config.max_source_length = 24
+  config.max_target_length = 28
+  config.num_train_steps = 20
+  config.per_device_batch_size = 16
+  config.warmup_steps = 5
+  config.log_every_steps = 5
+  config.eval_every_steps = 10
+  config.checkpoint_every_steps = 10
+  config.num_bleu_examples = 16
+  config.model.update(vocab_size=256, emb_dim=32, num_heads=2, num_layers=1, qkv_dim=32,
+                      mlp_dim=64, max_len=32)
+  return config
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("demo_cache"))
+
+
+@pytest.fixture
+def tiny_config(data_cache):
+  return make_tiny_config(data_cache)

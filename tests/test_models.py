@@ -1,0 +1,136 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer_jax import models
+from transformer_jax import predict
+
+CONFIG = models.TransformerConfig(vocab_size=40, emb_dim=16, num_heads=2, num_layers=2,
+                                  qkv_dim=16, mlp_dim=32, max_len=16, dropout_rate=0.1,
+                                  attention_dropout_rate=0.1)
+
+
+def _init(config, src_len=6, tgt_len=7):
+  model = models.EncoderDecoder(config)
+  params = model.init(jax.random.PRNGKey(0), jnp.ones((1, src_len), jnp.int32),
+                      jnp.ones((1, tgt_len), jnp.int32), deterministic=True)["params"]
+  return model, params
+
+
+def test_shift_right_literal():
+  targets = jnp.array([[5, 6, 7, 1, 0, 0]])
+  np.testing.assert_array_equal(models.shift_right(targets, bos_id=2), [[2, 5, 6, 7, 0, 0]])
+
+
+def test_shift_right_restarts_each_packed_segment():
+  targets = jnp.array([[5, 6, 1, 8, 1, 0]])
+  segments = jnp.array([[1, 1, 1, 2, 2, 0]])
+  np.testing.assert_array_equal(models.shift_right(targets, 2, segments), [[2, 5, 6, 2, 8, 0]])
+
+
+@pytest.mark.parametrize("pre_ln", [False, True])
+def test_cached_decoding_equals_full_forward(pre_ln):
+  config = CONFIG.replace(pre_ln=pre_ln)
+  model, params = _init(config)
+  inputs = jnp.array([[5, 9, 12, 1, 0, 0], [7, 8, 1, 0, 0, 0]])
+  targets = jnp.array([[11, 4, 13, 21, 1, 0, 0], [6, 17, 30, 9, 8, 3, 1]])
+  full = model.apply({"params": params}, inputs, targets, deterministic=True)
+  # Decode one token at a time, feeding the gold shifted targets.
+  decoder_inputs = models.shift_right(targets, config.bos_id)
+  encoded = model.apply({"params": params}, inputs, deterministic=True, method=model.encode)
+  cache = predict.init_cache(model, 2, inputs.shape[1], targets.shape[1])
+  stepwise = []
+  for t in range(targets.shape[1]):
+    logits, variables = model.apply({"params": params, "cache": cache}, encoded, inputs,
+                                    decoder_inputs[:, t:t + 1], deterministic=True, decode=True,
+                                    mutable=["cache"], method=model.decode)
+    cache = variables["cache"]
+    stepwise.append(logits[:, 0])
+  stepwise = jnp.stack(stepwise, axis=1)
+  valid = np.asarray(targets) > 0
+  np.testing.assert_allclose(np.asarray(stepwise)[valid], np.asarray(full)[valid],
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_cached_prefix_fill_then_single_steps():
+  model, params = _init(CONFIG)
+  inputs = jnp.array([[5, 9, 12, 1, 0, 0]])
+  targets = jnp.array([[11, 4, 13, 21, 1, 3, 7]])
+  full = model.apply({"params": params}, inputs, targets, deterministic=True)
+  decoder_inputs = models.shift_right(targets, CONFIG.bos_id)
+  encoded = model.apply({"params": params}, inputs, deterministic=True, method=model.encode)
+  cache = predict.init_cache(model, 1, inputs.shape[1], targets.shape[1])
+  outputs = []
+  for start, stop in [(0, 4), (4, 5), (5, 7)]:  # a 4-token prefix, then 1, then 2 tokens
+    logits, variables = model.apply({"params": params, "cache": cache}, encoded, inputs,
+                                    decoder_inputs[:, start:stop], deterministic=True,
+                                    decode=True, mutable=["cache"], method=model.decode)
+    cache = variables["cache"]
+    outputs.append(logits)
+  np.testing.assert_allclose(jnp.concatenate(outputs, axis=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_future_targets_do_not_change_earlier_logits():
+  model, params = _init(CONFIG)
+  inputs = jnp.array([[5, 9, 12, 1, 0, 0]])
+  targets = jnp.array([[11, 4, 13, 21, 1, 0, 0]])
+  changed = targets.at[0, 3].set(30)
+  a = model.apply({"params": params}, inputs, targets, deterministic=True)
+  b = model.apply({"params": params}, inputs, changed, deterministic=True)
+  np.testing.assert_allclose(a[:, :4], b[:, :4], rtol=1e-6, atol=1e-6)  # shifted: 3 feeds 4
+  assert not np.allclose(a[:, 4], b[:, 4])
+
+
+def test_more_padding_does_not_change_outputs():
+  model, params = _init(CONFIG, src_len=10, tgt_len=9)
+  inputs = jnp.array([[5, 9, 12, 1, 0, 0]])
+  targets = jnp.array([[11, 4, 13, 21, 1, 0, 0]])
+  a = model.apply({"params": params}, inputs, targets, deterministic=True)
+  b = model.apply({"params": params}, jnp.pad(inputs, ((0, 0), (0, 4))),
+                  jnp.pad(targets, ((0, 0), (0, 2))), deterministic=True)
+  np.testing.assert_allclose(a[:, :5], b[:, :5], rtol=1e-5, atol=1e-5)
+
+
+def test_packed_segments_do_not_interact():
+  model, params = _init(CONFIG, src_len=8, tgt_len=8)
+  first = (jnp.array([[5, 9, 1]]), jnp.array([[11, 4, 1]]))
+  second = (jnp.array([[7, 8, 6, 1]]), jnp.array([[6, 17, 30, 1]]))
+  packed_inputs = jnp.concatenate([first[0], second[0], jnp.zeros((1, 1), jnp.int32)], 1)
+  packed_targets = jnp.concatenate([first[1], second[1], jnp.zeros((1, 1), jnp.int32)], 1)
+  inputs_segmentation = jnp.array([[1, 1, 1, 2, 2, 2, 2, 0]])
+  targets_segmentation = jnp.array([[1, 1, 1, 2, 2, 2, 2, 0]])
+  positions = jnp.array([[0, 1, 2, 0, 1, 2, 3, 0]])
+  packed = model.apply({"params": params}, packed_inputs, packed_targets, positions, positions,
+                       inputs_segmentation, targets_segmentation, deterministic=True)
+  alone_first = model.apply({"params": params}, *first, deterministic=True)
+  alone_second = model.apply({"params": params}, *second, deterministic=True)
+  np.testing.assert_allclose(packed[:, :3], alone_first, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(packed[:, 3:7], alone_second, rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_is_active_only_when_not_deterministic():
+  model, params = _init(CONFIG)
+  inputs, targets = jnp.array([[5, 9, 1]]), jnp.array([[11, 4, 1]])
+  run = lambda seed: model.apply({"params": params}, inputs, targets,
+                                 rngs={"dropout": jax.random.PRNGKey(seed)})
+  assert not np.allclose(run(0), run(1))
+  np.testing.assert_array_equal(model.apply({"params": params}, inputs, targets,
+                                            deterministic=True),
+                                model.apply({"params": params}, inputs, targets,
+                                            deterministic=True))
+
+
+def test_parameter_count_is_exact():
+  config = CONFIG.replace(num_layers=1)
+  model = models.EncoderDecoder(config)
+  shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32),
+                                             jnp.ones((1, 4), jnp.int32), deterministic=True))
+  count = sum(np.prod(x.shape) for x in jax.tree.leaves(shapes["params"]))
+  d, ff, v = 16, 32, 40
+  attention = 4 * (d * d + d)  # q, k, v, out with biases
+  ffn = d * ff + ff + ff * d + d
+  norm = 2 * d
+  encoder_layer = attention + ffn + 2 * norm
+  decoder_layer = 2 * attention + ffn + 3 * norm
+  assert count == v * d + encoder_layer + decoder_layer

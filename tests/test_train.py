@@ -1,0 +1,101 @@
+"""End to end on a tiny config: train, resume, evaluate, predict, and 1 vs 8 devices."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from transformer_jax import checkpoints
+from transformer_jax import commands
+from transformer_jax import predict
+from transformer_jax import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, data_cache):
+  from tests.conftest import make_tiny_config
+  workdir = str(tmp_path_factory.mktemp("trained"))
+  config = make_tiny_config(data_cache)
+  result = train.train_and_evaluate(config, workdir)
+  return config, workdir, result
+
+
+def test_train_and_evaluate_writes_everything(trained):
+  config, workdir, result = trained
+  assert set(result) >= {"loss", "accuracy", "perplexity", "bleu"}
+  assert np.isfinite(result["loss"]) and 0 <= result["accuracy"] <= 1
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["10", "20"]
+  assert os.path.exists(os.path.join(workdir, "tokenizer.model"))
+  assert predict.load_config(workdir).model.emb_dim == config.model.emb_dim
+  assert any(f.startswith("events.out.tfevents") for f in os.listdir(workdir))
+
+
+def test_resume_continues_exactly(tmp_path, tiny_config, trained):
+  _, _, uninterrupted = trained
+  tiny_config.num_train_steps = 10  # "interrupted" after the first checkpoint
+  train.train_and_evaluate(tiny_config, str(tmp_path))
+  tiny_config.num_train_steps = 20
+  resumed = train.train_and_evaluate(tiny_config, str(tmp_path))
+  np.testing.assert_allclose(resumed["loss"], uninterrupted["loss"], rtol=1e-5)
+
+
+def test_evaluate_and_predict_from_workdir(trained, tmp_path):
+  _, workdir, result = trained
+  evaluated = commands.run_evaluate(workdir, split="validation")
+  np.testing.assert_allclose(evaluated["loss"], result["loss"], rtol=1e-5)
+  assert evaluated["step"] == 20
+  source = tmp_path / "in.txt"
+  source.write_bytes(b"The dog sees the cat.\n\nOften a child finds \xff our birds.\n")
+  output = tmp_path / "out.txt"
+  commands.run_predict(workdir, str(source), str(output))
+  lines = output.read_text(encoding="utf-8").split("\n")
+  assert len(lines) == 4 and lines[-1] == "" and lines[1] == ""  # 3 lines, middle empty
+
+
+def test_restore_rejects_other_model_shape(trained, tiny_config):
+  _, workdir, _ = trained
+  tiny_config.model.emb_dim = 64
+  tiny_config.model.qkv_dim = 64
+  with pytest.raises(checkpoints.CheckpointError, match="does not match this model"):
+    train.train_and_evaluate(tiny_config, workdir)
+  assert predict.load_config(workdir).model.emb_dim == 32  # the saved config is kept
+
+
+def test_evaluate_without_checkpoint_says_what_to_do(tmp_path):
+  with pytest.raises(checkpoints.CheckpointError, match="not a training workdir"):
+    commands.run_evaluate(str(tmp_path))
+
+
+_TRAIN_SCRIPT = """
+import json, sys
+sys.path.insert(0, {root!r})
+from tests.conftest import make_tiny_config
+from transformer_jax import train
+config = make_tiny_config({cache!r})
+config.per_device_batch_size = {per_device}
+config.model.dropout_rate = 0.0
+config.num_bleu_examples = 0
+result = train.train_and_evaluate(config, {workdir!r})
+print("RESULT", json.dumps(result))
+"""
+
+
+def _train_in_subprocess(workdir, cache, devices, per_device):
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             JAX_PLATFORMS="cpu")
+  script = _TRAIN_SCRIPT.format(root=ROOT, cache=cache, per_device=per_device, workdir=workdir)
+  out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                       check=True).stdout
+  return json.loads(out.split("RESULT", 1)[1])
+
+
+def test_one_and_eight_devices_give_the_same_loss(tmp_path, data_cache):
+  one = _train_in_subprocess(str(tmp_path / "one"), data_cache, devices=1, per_device=16)
+  eight = _train_in_subprocess(str(tmp_path / "eight"), data_cache, devices=8, per_device=2)
+  np.testing.assert_allclose(eight["loss"], one["loss"], rtol=1e-4)
+  np.testing.assert_allclose(eight["accuracy"], one["accuracy"], rtol=1e-4)
