@@ -46,7 +46,18 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_every_steps = 250
   # Split used for evaluation during training; --mode evaluate uses the test split.
   config.eval_split = "validation"
-  # Examples greedily translated for BLEU at each evaluation; -1 = the whole split.
+  # Output generation for BLEU, evaluate and predict.
+  config.decoding = ml_collections.ConfigDict(dict(
+      method="beam",  # 'greedy', 'beam' or 'sample'
+      beam_size=4,  # beam search: slots per example
+      alpha=0.6,  # beam search: GNMT length-penalty exponent
+      temperature=1.0,  # sampling: 0 = greedy
+      top_k=0,  # sampling: keep the k most likely tokens; 0 = all
+      top_p=1.0,  # sampling: keep the smallest set holding this probability
+      max_decode_len=0,  # longest output; 0 = source length + 50 (capped at model.max_len)
+      seed=0,  # sampling seed
+  ))
+  # Examples translated for BLEU at each evaluation; -1 = the whole split.
   config.num_bleu_examples = 500
   # Save a checkpoint every this many steps, and at the end.
   config.checkpoint_every_steps = 250

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -50,11 +51,35 @@ def test_evaluate_and_predict_from_workdir(trained, tmp_path):
   np.testing.assert_allclose(evaluated["loss"], result["loss"], rtol=1e-5)
   assert evaluated["step"] == 20
   source = tmp_path / "in.txt"
-  source.write_bytes(b"The dog sees the cat.\n\nOften a child finds \xff our birds.\n")
+  long_line = " ".join(["dog"] * 5000).encode()
+  source.write_bytes(b"The dog sees the cat.\n\nOften a child finds \xff our birds.\n" +
+                     long_line + b"\n")
   output = tmp_path / "out.txt"
   commands.run_predict(workdir, str(source), str(output))
   lines = output.read_text(encoding="utf-8").split("\n")
-  assert len(lines) == 4 and lines[-1] == "" and lines[1] == ""  # 3 lines, middle empty
+  assert len(lines) == 5 and lines[-1] == "" and lines[1] == ""  # 4 lines, 2nd empty
+
+
+def test_predict_keeps_order_across_length_buckets(trained):
+  _, workdir, _ = trained
+  translator = predict.Translator.from_workdir(workdir)
+  texts = ["The dog sees the cat.", "", "I think that the old teachers have shown a red ball "
+           "to my brave neighbours.", "A cat.", "   "]
+  together = translator.translate(texts)
+  one_by_one = [translator.translate([t])[0] for t in texts]
+  assert together == one_by_one
+  assert together[1] == "" and together[4] == ""
+
+
+def test_checkpoint_averaging_is_the_parameter_mean(trained):
+  _, workdir, _ = trained
+  model = predict.Translator.from_workdir(workdir).model
+  last, _ = predict.restore_params(workdir, model, 20)
+  previous, _ = predict.restore_params(workdir, model, 10)
+  averaged, step = predict.restore_params(workdir, model, average_last=2)
+  assert step == 20
+  for a, x, y in zip(*(jax.tree.leaves(t) for t in (averaged, last, previous))):
+    np.testing.assert_allclose(a, (np.asarray(x, np.float64) + y) / 2, rtol=1e-6, atol=1e-7)
 
 
 def test_restore_rejects_other_model_shape(trained, tiny_config):

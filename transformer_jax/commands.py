@@ -12,15 +12,18 @@ from transformer_jax import predict
 from transformer_jax import train
 
 
-def run_evaluate(workdir: str, step: int | None = None, split: str = "test") -> dict:
-  """Task metrics of the workdir's checkpoint (latest unless `step`) on `split`."""
-  translator = predict.Translator.from_workdir(workdir, step)
+def run_evaluate(workdir: str, step: int | None = None, split: str = "test",
+                 average_last: int = 1) -> dict:
+  """Task metrics of the workdir's checkpoint (latest unless `step`; the mean of the last
+  `average_last` checkpoints up to it) on `split`."""
+  translator = predict.Translator.from_workdir(workdir, step, average_last)
   config = translator.config
   pairs, _, encoded = train.prepare_data(config, workdir, (split,))
   evaluator = evaluation.Evaluator(translator.model, translator.tokenizer,
-                                   translator.batch_size, config.max_target_length)
+                                   translator.batch_size, config.decoding)
   result = evaluator.evaluate(translator.replicated_params, encoded[split], [t for _, t in pairs[split]])
-  result.update(step=translator.step, split=split, examples=len(encoded[split]))
+  result.update(step=translator.step, split=split, examples=len(encoded[split]),
+                decoding=config.decoding.method, average_last=average_last)
   logging.info("Evaluated step %d on %s: %s", translator.step, split, result)
   return result
 
@@ -37,9 +40,10 @@ def _open(path: str, mode: str):
       yield f
 
 
-def run_predict(workdir: str, input_path: str, output_path: str, step: int | None = None) -> None:
+def run_predict(workdir: str, input_path: str, output_path: str, step: int | None = None,
+                average_last: int = 1) -> None:
   """Translates `input_path` line by line into `output_path` ('-' = stdin / stdout)."""
-  translator = predict.Translator.from_workdir(workdir, step)
+  translator = predict.Translator.from_workdir(workdir, step, average_last)
   with _open(input_path, "r") as source, _open(output_path, "w") as sink:
     for output in translator.translate_lines(source):
       sink.write(output.replace("\n", " ") + "\n")

@@ -1,4 +1,4 @@
-"""Evaluation on a held-out split: token loss and accuracy, and BLEU of greedy translations."""
+"""Evaluation on a held-out split: token loss and accuracy, and BLEU of its translations."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import functools
 from typing import Sequence
 
 import jax
+import ml_collections
 import numpy as np
 from absl import logging
 
@@ -27,12 +28,13 @@ class Evaluator:
   """Compiled eval and decode steps for one model; params are passed per call."""
 
   def __init__(self, model: models.EncoderDecoder, tokenizer: tokenizer_lib.Tokenizer,
-               batch_size: int, max_decode_len: int):
+               batch_size: int, decoding_config: ml_collections.ConfigDict):
     self.tokenizer = tokenizer
     self.batch_size = batch_size
     self._eval_step = jax.pmap(functools.partial(_eval_step, model=model),
                                axis_name=parallel.AXIS)
-    self._decode = predict.decode_fn(model, max_decode_len)
+    self._decode = predict.decode_fn(model, decoding_config)
+    self._seed = decoding_config.seed
 
   def loss_and_accuracy(self, replicated_params, data: pipeline.EncodedPairs) -> dict:
     sums = None
@@ -45,8 +47,9 @@ class Evaluator:
 
   def bleu(self, replicated_params, data: pipeline.EncodedPairs,
            references: Sequence[str]) -> tuple[dict, list[str]]:
-    """BLEU of greedy translations of `data.sources` against `references`."""
-    tokens = predict.translate_ids(self._decode, replicated_params, data.sources, self.batch_size)
+    """BLEU of the translations of `data.sources` (config.decoding) against `references`."""
+    tokens = predict.translate_ids(self._decode, replicated_params, data.sources, self.batch_size,
+                                   self._seed)
     hypotheses = [self.tokenizer.decode(row) for row in tokens]
     score, signature = metrics.bleu(hypotheses, references)
     logging.info("sacreBLEU %.2f (%s)", score, signature)

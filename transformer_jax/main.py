@@ -17,6 +17,8 @@ from ml_collections import config_flags
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, tokenizer and config.")
 flags.DEFINE_enum("mode", "train", ["train", "evaluate", "predict"], "What to do.")
 flags.DEFINE_integer("checkpoint_step", None, "evaluate / predict: this step, not the latest.")
+flags.DEFINE_integer("average_last", 1, "evaluate / predict: average the parameters of the last "
+                     "N checkpoints (up to --checkpoint_step), as the paper does with 5 or 20.")
 flags.DEFINE_string("input", "-", "predict: a file with one source text per line, - = stdin.")
 flags.DEFINE_string("output", "-", "predict: where outputs go, one per line, - = stdout.")
 config_flags.DEFINE_config_file("config", None, "Config file (training; evaluate and predict "
@@ -47,11 +49,12 @@ def main(argv):
       from transformer_jax import train
       train.train_and_evaluate(flags.FLAGS.config, workdir)
     elif flags.FLAGS.mode == "evaluate":
-      result = commands.run_evaluate(workdir, flags.FLAGS.checkpoint_step)
+      result = commands.run_evaluate(workdir, flags.FLAGS.checkpoint_step,
+                                     average_last=flags.FLAGS.average_last)
       print(json.dumps(result), flush=True)
     else:
       commands.run_predict(workdir, flags.FLAGS.input, flags.FLAGS.output,
-                       flags.FLAGS.checkpoint_step)
+                           flags.FLAGS.checkpoint_step, flags.FLAGS.average_last)
   except (checkpoints.CheckpointError, ValueError, FileNotFoundError) as e:
     logging.error("%s", e)
     print(f"error: {e}", file=sys.stderr)

@@ -150,7 +150,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       functools.partial(train_step, model=model, label_smoothing=config.label_smoothing),
       axis_name=parallel.AXIS, donate_argnums=(0,))
   evaluator = evaluation.Evaluator(model, tokenizer, config.per_device_batch_size * num_devices,
-                                   config.max_target_length)
+                                   config.decoding)
   state = parallel.replicate(state)
   dropout_rngs = parallel.replicate(dropout_rng)
 
