@@ -1,0 +1,169 @@
+"""Speed on random tokens (no dataset): training step and decoding throughput.
+
+  python -m transformer_jax.benchmark --config configs/demo.py --batch_size 64 --seq_len 32 \
+      --decode_len 64 --steps 20
+
+Prints one JSON line. Decoding runs for exactly `decode_len` tokens per row (EOS is never
+chosen) with random weights, with the KV cache and without it. "Without" recomputes the
+decoder over the whole fixed-length output buffer at every step, which is what a
+jit-compiled decoder without a cache does (shapes are static).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from transformer_jax import decoding
+from transformer_jax import models
+from transformer_jax import parallel
+from transformer_jax import predict
+from transformer_jax import train
+
+config_flags.DEFINE_config_file("config", "configs/demo.py", "Model and optimizer config.",
+                                lock_config=True)
+flags.DEFINE_integer("batch_size", 64, "Rows per step (whole machine).")
+flags.DEFINE_integer("seq_len", 32, "Source and target length for training.")
+flags.DEFINE_integer("decode_len", 64, "Tokens generated per row when decoding.")
+flags.DEFINE_integer("decode_batch_size", 32, "Rows decoded at once.")
+flags.DEFINE_integer("steps", 20, "Timed repetitions.")
+flags.DEFINE_integer("warmup", 3, "Untimed repetitions after compilation.")
+flags.DEFINE_bool("decode", True, "Also measure decoding.")
+
+NEVER = -1  # an EOS id no token has: every row decodes decode_len tokens
+
+
+def _timed(fn, steps: int, warmup: int) -> float:
+  """Mean seconds per call of `fn` (which must block until its result is ready)."""
+  for _ in range(warmup):
+    fn()
+  start = time.perf_counter()
+  for _ in range(steps):
+    fn()
+  return (time.perf_counter() - start) / steps
+
+
+def train_speed(config, model, batch_size: int, seq_len: int, steps: int, warmup: int) -> dict:
+  """Seconds per pmapped training step on random tokens, and target tokens per second."""
+  rng = np.random.default_rng(0)
+  batch = parallel.shard({k: rng.integers(3, config.model.vocab_size, (batch_size, seq_len),
+                                          dtype=np.int32) for k in ("inputs", "targets")})
+  state = jax.jit(functools.partial(train.create_state, config, model))(jax.random.PRNGKey(0))
+  holder = {"state": parallel.replicate(state)}
+  dropout = parallel.replicate(jax.random.PRNGKey(1))
+  step = jax.pmap(functools.partial(train.train_step, model=model,
+                                    label_smoothing=config.label_smoothing),
+                  axis_name=parallel.AXIS, donate_argnums=(0,))
+
+  def run():
+    holder["state"], sums = step(holder["state"], batch, dropout)
+    jax.block_until_ready(sums)
+
+  start = time.perf_counter()
+  run()
+  compile_s = time.perf_counter() - start
+  seconds = _timed(run, steps, warmup)
+  return {"train_step_s": seconds, "train_tokens_per_s": batch_size * seq_len / seconds,
+          "compile_s": compile_s}
+
+
+def _no_pad(logits):
+  # Random weights may favour id 0; padding must never be generated (it would end the prefix).
+  return logits.at[:, 0].set(decoding.NEG_INF)
+
+
+def _cached_callback(model, params, encoded, source, batch_rows, decode_len):
+  def tokens_to_logits(ids, cache):
+    logits, variables = model.apply({"params": params, "cache": cache}, encoded, source, ids,
+                                    deterministic=True, decode=True, mutable=["cache"],
+                                    method=model.decode)
+    return _no_pad(logits[:, -1]), variables["cache"]
+
+  return tokens_to_logits, predict.init_cache(model, batch_rows, source.shape[1], decode_len)
+
+
+def _no_cache_callback(model, params, encoded, source, batch_rows, decode_len):
+  """tokens_to_logits that re-runs the decoder over the whole output buffer each step."""
+
+  def tokens_to_logits(ids, cache):
+    index = cache["index"]
+    # The buffer holds the outputs so far (the model shifts in the bos itself): the token fed
+    # at step t > 0 is output t - 1.
+    written = jax.lax.dynamic_update_slice(cache["buffer"], ids, (0, jnp.maximum(index - 1, 0)))
+    buffer = jnp.where(index == 0, cache["buffer"], written)
+    logits = model.apply({"params": params}, encoded, source, buffer, deterministic=True,
+                         method=model.decode)  # [n, decode_len, vocab]
+    step_logits = jax.lax.dynamic_index_in_dim(logits, index, axis=1, keepdims=False)
+    return _no_pad(step_logits), {"index": index + 1, "buffer": buffer}
+
+  return tokens_to_logits, {"index": jnp.array(0),
+                            "buffer": jnp.ones((batch_rows, decode_len), jnp.int32)}
+
+
+def _decode(params, inputs, *, model, decode_len: int, beam_size: int, use_cache: bool):
+  encoded = model.apply({"params": params}, inputs, deterministic=True, method=model.encode)
+  source = inputs
+  if beam_size > 1:
+    encoded = decoding.flat_batch_beam_expand(encoded, beam_size)
+    source = decoding.flat_batch_beam_expand(inputs, beam_size)
+  make_callback = _cached_callback if use_cache else _no_cache_callback
+  # Caches are made per example; beam search expands them to its beams.
+  tokens_to_logits, cache = make_callback(model, params, encoded, source, inputs.shape[0],
+                                          decode_len)
+  if beam_size > 1:
+    return decoding.beam_search(inputs, cache, tokens_to_logits, beam_size=beam_size, alpha=0.6,
+                                eos_id=NEVER, max_decode_len=decode_len)[0]
+  return decoding.greedy_search(cache, tokens_to_logits, batch_size=inputs.shape[0], bos_id=2,
+                                eos_id=NEVER, max_decode_len=decode_len)
+
+
+def decode_speed(config, model, batch_size: int, decode_len: int, steps: int,
+                 warmup: int) -> dict:
+  rng = np.random.default_rng(0)
+  source_len = min(32, config.model.max_len)
+  inputs = jnp.asarray(rng.integers(3, config.model.vocab_size, (batch_size, source_len)),
+                       jnp.int32)
+  params = jax.jit(lambda: model.init(jax.random.PRNGKey(0), inputs[:1], inputs[:1],
+                                      deterministic=True)["params"])()
+  result = {}
+  for name, beam, cached in [("greedy", 1, True), ("greedy_no_cache", 1, False),
+                             ("beam4", 4, True), ("beam4_no_cache", 4, False)]:
+    fn = jax.jit(functools.partial(_decode, model=model, decode_len=decode_len, beam_size=beam,
+                                   use_cache=cached))
+    seconds = _timed(lambda: jax.block_until_ready(fn(params, inputs)), steps, warmup)
+    result[f"decode_{name}_tokens_per_s"] = batch_size * decode_len / seconds
+  result["decode_cache_speedup_greedy"] = (result["decode_greedy_tokens_per_s"] /
+                                           result["decode_greedy_no_cache_tokens_per_s"])
+  return result
+
+
+def main(argv):
+  del argv
+  f = flags.FLAGS
+  config = f.config
+  decode_len = f.decode_len
+  if decode_len > config.model.max_len:
+    with config.unlocked():
+      config.model.max_len = decode_len
+  model = models.EncoderDecoder(models.model_config(config.model))
+  result = {"device": jax.devices()[0].device_kind, "batch_size": f.batch_size,
+            "seq_len": f.seq_len}
+  result.update(train_speed(config, model, f.batch_size, f.seq_len, f.steps, f.warmup))
+  if f.decode:
+    result["decode_len"] = decode_len
+    result["decode_batch_size"] = f.decode_batch_size
+    result.update(decode_speed(config, model, f.decode_batch_size, decode_len,
+                               max(f.steps // 4, 2), 1))
+  print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
