@@ -43,6 +43,20 @@ def combine_masks(*masks: Array | None) -> Array | None:
   return combined
 
 
+def _attend(scores: Array, value: Array, mask: Array | None, dropout_rate: float,
+            dropout_rng: Array | None) -> tuple[Array, Array]:
+  """Masked softmax over keys (float32), then the weighted sum of values."""
+  if mask is not None:
+    scores = jnp.where(mask, scores, _MASKED_SCORE)
+  weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1)  # [b, h, q, k], rows sum to 1
+  attended = weights
+  if dropout_rng is not None and dropout_rate > 0.0:
+    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
+    attended = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
+  out = jnp.einsum("bhqk,bkhd->bqhd", attended.astype(value.dtype), value)  # [b, q, h, d]
+  return out, weights
+
+
 def dot_product_attention(query: Array, key: Array, value: Array, mask: Array | None = None, *,
                           return_weights: bool = False, dropout_rate: float = 0.0,
                           dropout_rng: Array | None = None):
@@ -60,40 +74,40 @@ def dot_product_attention(query: Array, key: Array, value: Array, mask: Array | 
   Returns:
     [b, q, h, d] outputs in `value.dtype`, and the float32 weights if `return_weights`.
   """
-  head_dim = query.shape[-1]
   # Scores and softmax in float32, whatever the activation dtype.
   scores = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
-  scores = scores / jnp.sqrt(jnp.float32(head_dim))  # [b, h, q, k]
-  if mask is not None:
-    scores = jnp.where(mask, scores, _MASKED_SCORE)
-  weights = jax.nn.softmax(scores, axis=-1)  # [b, h, q, k], rows sum to 1
-  attended = weights
-  if dropout_rng is not None and dropout_rate > 0.0:
-    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
-    attended = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
-  out = jnp.einsum("bhqk,bkhd->bqhd", attended.astype(value.dtype), value)  # [b, q, h, d]
+  scores = scores / jnp.sqrt(jnp.float32(query.shape[-1]))  # [b, h, q, k]
+  out, weights = _attend(scores, value, mask, dropout_rate, dropout_rng)
   return (out, weights) if return_weights else out
 
 
 class MultiHeadAttention(nn.Module):
-  """Multi-head attention: project Q/K/V, attend per head, concatenate, project out.
+  """Multi-head attention: project Q/K/V, score per head, attend, concatenate, project out.
+
+  `score` picks how a query s meets a key h, per head: 'dot_product' (s^T h / sqrt(d), the
+  Transformer's), 'multiplicative' (s^T W h, Luong) or 'additive' (v^T tanh(W1 h + W2 s),
+  Bahdanau). `implementation` 'reference' computes dot-product attention with einsums here;
+  'xla', 'cudnn' or 'auto' call `jax.nn.dot_product_attention` (cuDNN flash attention on GPU),
+  except where the weights are needed: attention dropout in training, or weights captured in
+  the 'intermediates' collection (see `models.attention_weights`).
 
   In decode mode (self-attention only) keys and values are kept in a 'cache' collection of
   shape [b, max_len, h, d]: a call with n new tokens writes them at `cache_index` and attends
-  causally over everything written so far, so a prefix can be filled in one call and then
-  extended one token per call. The cache is created by an `init` in decode mode on inputs of
-  the full decode length.
+  causally over everything written so far, so a prefix is filled in one call and then extended
+  one token per call. The cache is created by an `init` in decode mode on inputs of the full
+  decode length.
   """
   num_heads: int
   qkv_dim: int
   dropout_rate: float = 0.0
   dtype: Any = jnp.float32
+  score: str = "dot_product"
+  implementation: str = "reference"
   kernel_init: Callable = nn.initializers.xavier_uniform()
 
   @nn.compact
   def __call__(self, inputs_q: Array, inputs_kv: Array, mask: Array | None = None, *,
-               deterministic: bool = True, decode: bool = False,
-               return_weights: bool = False):
+               deterministic: bool = True, decode: bool = False):
     if self.qkv_dim % self.num_heads:
       raise ValueError(f"qkv_dim={self.qkv_dim} must be divisible by num_heads={self.num_heads}.")
     head_dim = self.qkv_dim // self.num_heads
@@ -109,11 +123,43 @@ class MultiHeadAttention(nn.Module):
     dropout_rng = None
     if not deterministic and self.dropout_rate > 0.0:
       dropout_rng = self.make_rng("dropout")
-    out, weights = dot_product_attention(query, key, value, mask, return_weights=True,
-                                         dropout_rate=self.dropout_rate, dropout_rng=dropout_rng)
-    out = nn.DenseGeneral(inputs_q.shape[-1], axis=(-2, -1), dtype=self.dtype,
-                          kernel_init=self.kernel_init, name="out")(out)  # [b, q, emb]
-    return (out, weights) if return_weights else out
+    capture = self.is_mutable_collection("intermediates")
+    if self.score == "dot_product" and self.implementation != "reference" and not (
+        capture or dropout_rng is not None):
+      out = jax.nn.dot_product_attention(
+          query, key, value, mask=None if mask is None else jnp.broadcast_to(
+              mask, (query.shape[0], 1, query.shape[1], key.shape[1])),
+          implementation=None if self.implementation == "auto" else self.implementation)
+    else:
+      scores = self._scores(query, key, head_dim)  # [b, h, q, k]
+      out, weights = _attend(scores, value, mask, self.dropout_rate, dropout_rng)
+      if capture:
+        self.sow("intermediates", "attention_weights", weights)
+    return nn.DenseGeneral(inputs_q.shape[-1], axis=(-2, -1), dtype=self.dtype,
+                           kernel_init=self.kernel_init, name="out")(out)  # [b, q, emb]
+
+  def _scores(self, query: Array, key: Array, head_dim: int) -> Array:
+    """[b, h, q, k] float32 scores of every query against every key."""
+    if self.score == "dot_product":
+      scores = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
+      return scores / jnp.sqrt(jnp.float32(head_dim))
+    init = nn.initializers.normal(stddev=head_dim ** -1.0)
+    if self.score == "multiplicative":
+      w = self.param("score_kernel", init, (self.num_heads, head_dim, head_dim))
+      keys = jnp.einsum("bkhe,hde->bkhd", key, w.astype(self.dtype))  # W h: [b, k, h, d]
+      return jnp.einsum("bqhd,bkhd->bhqk", query, keys, preferred_element_type=jnp.float32)
+    if self.score == "additive":
+      w_key = self.param("score_key_kernel", init, (self.num_heads, head_dim, head_dim))
+      w_query = self.param("score_query_kernel", init, (self.num_heads, head_dim, head_dim))
+      v = self.param("score_vector", nn.initializers.normal(stddev=head_dim ** -0.5),
+                     (self.num_heads, head_dim))
+      keys = jnp.einsum("bkhd,hde->bkhe", key, w_key.astype(self.dtype))  # W1 h
+      queries = jnp.einsum("bqhd,hde->bqhe", query, w_query.astype(self.dtype))  # W2 s
+      hidden = jnp.tanh(queries[:, :, None] + keys[:, None, :])  # [b, q, k, h, e]
+      return jnp.einsum("bqkhe,he->bhqk", hidden, v.astype(self.dtype),
+                        preferred_element_type=jnp.float32)
+    raise ValueError(f"Unknown attention score {self.score!r}: use 'dot_product', "
+                     "'multiplicative' or 'additive'.")
 
   def _update_cache(self, key: Array, value: Array, mask: Array | None):
     """Writes the new keys/values into the cache; returns all cached ones and their mask."""

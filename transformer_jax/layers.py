@@ -61,18 +61,33 @@ class PositionEmbedding(nn.Module):
     return x + jnp.take(table, positions, axis=0).astype(x.dtype)  # [b, len, dim]
 
 
+_GELU = lambda x: nn.gelu(x, approximate=False)  # exact, as torch's "gelu"
+# activation name -> (function, gated)
+_ACTIVATIONS = {"relu": (nn.relu, False), "gelu": (_GELU, False),
+                "reglu": (nn.relu, True), "geglu": (_GELU, True)}
+
+
 class FeedForward(nn.Module):
-  """Position-wise feed-forward network: max(0, x W1 + b1) W2 + b2."""
+  """Position-wise feed-forward network: act(x W1 + b1) W2 + b2.
+
+  `activation` is 'relu' (the paper), 'gelu', or a gated linear unit (Shazeer, 2020):
+  'geglu' = gelu(x W_gate) * (x W1), 'reglu' = relu(x W_gate) * (x W1).
+  """
   mlp_dim: int
-  dropout_rate: float = 0.0
+  dropout_rate: float = 0.0  # on the hidden activations
+  activation: str = "relu"
   dtype: Any = jnp.float32
   kernel_init: Any = nn.initializers.xavier_uniform()
 
   @nn.compact
   def __call__(self, x: Array, *, deterministic: bool = True) -> Array:
-    hidden = nn.Dense(self.mlp_dim, dtype=self.dtype, kernel_init=self.kernel_init,
-                      name="wi")(x)  # [b, len, mlp]
-    hidden = nn.relu(hidden)
+    dense = lambda features, name: nn.Dense(features, dtype=self.dtype,
+                                            kernel_init=self.kernel_init, name=name)
+    if self.activation not in _ACTIVATIONS:
+      raise ValueError(f"Unknown feed-forward activation {self.activation!r}: use 'relu', "
+                       "'gelu', 'geglu' or 'reglu'.")
+    act, gated = _ACTIVATIONS[self.activation]
+    hidden = dense(self.mlp_dim, "wi")(x)  # [b, len, mlp]
+    hidden = act(dense(self.mlp_dim, "wi_gate")(x)) * hidden if gated else act(hidden)
     hidden = nn.Dropout(self.dropout_rate)(hidden, deterministic=deterministic)
-    return nn.Dense(x.shape[-1], dtype=self.dtype, kernel_init=self.kernel_init,
-                    name="wo")(hidden)  # [b, len, emb]
+    return dense(x.shape[-1], "wo")(hidden)  # [b, len, emb]

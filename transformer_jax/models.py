@@ -1,5 +1,10 @@
 """Transformer models (Vaswani et al., 2017) as pure Flax Linen modules.
 
+Three families share one encoder stack and one decoder stack:
+  EncoderDecoder     translation, summarization: (inputs, targets) -> [b, tgt_len, vocab]
+  DecoderOnly        causal language model, also as prefix LM: tokens -> [b, len, vocab]
+  EncoderClassifier  encoder + pooling + dense head: inputs -> [b, num_classes]
+
 Token id 0 is padding everywhere. Packed examples carry `*_segmentation` (segment ids, 0 =
 padding) and `*_position` arrays; masks, positions and the right shift respect them.
 """
@@ -30,17 +35,45 @@ class TransformerConfig:
   qkv_dim: int = 512
   mlp_dim: int = 2048
   max_len: int = 256
-  dropout_rate: float = 0.1
-  attention_dropout_rate: float = 0.1
+  dropout_rate: float = 0.1  # residual: embeddings and every sub-layer output
+  attention_dropout_rate: float = 0.1  # on the attention weights
+  activation_dropout_rate: float | None = None  # inside the FFN; None = dropout_rate
   dtype: Any = jnp.float32  # activation dtype; parameters stay float32
   pre_ln: bool = False  # False: post-LN as in the paper; True: pre-LN
+  final_norm: bool | None = None  # LayerNorm after each stack; None = pre_ln
+  layer_norm_epsilon: float = 1e-6
+  ffn_activation: str = "relu"  # 'relu', 'gelu', 'geglu', 'reglu'
   position_embedding: str = "sinusoidal"  # or "learned"
   position_base: float = 10000.0
+  share_embeddings: bool = True  # one embedding for source and target tokens
+  tie_output: bool = True  # output layer = transposed target embedding
+  cross_attention_score: str = "dot_product"  # or 'multiplicative', 'additive'
+  attention_implementation: str = "reference"  # or 'xla', 'cudnn', 'auto' (jax.nn)
+  remat: bool = False  # recompute each layer's activations in the backward pass
   bos_id: int = 2  # first decoder input token; the tokenizer reserves it
-  num_classes: int = 2  # for the classifier
+  num_classes: int = 2  # classifier outputs
+  pooling: str = "mean"  # classifier: 'mean' (non-padding), 'first', 'attention'
 
   def replace(self, **changes) -> "TransformerConfig":
     return dataclasses.replace(self, **changes)
+
+
+# Named sizes. base and big are the paper's (Table 3); vocab_size is set per dataset.
+SIZES = {
+    "tiny": dict(emb_dim=64, num_heads=2, num_layers=2, qkv_dim=64, mlp_dim=256),
+    "small": dict(emb_dim=256, num_heads=4, num_layers=3, qkv_dim=256, mlp_dim=1024),
+    "base": dict(emb_dim=512, num_heads=8, num_layers=6, qkv_dim=512, mlp_dim=2048,
+                 dropout_rate=0.1),
+    "big": dict(emb_dim=1024, num_heads=16, num_layers=6, qkv_dim=1024, mlp_dim=4096,
+                dropout_rate=0.3),
+}
+
+
+def named_config(size: str, **overrides) -> TransformerConfig:
+  """TransformerConfig of a named size ('tiny', 'small', 'base', 'big') plus overrides."""
+  if size not in SIZES:
+    raise ValueError(f"Unknown model size {size!r}; known: {sorted(SIZES)}.")
+  return TransformerConfig(**{**SIZES[size], **overrides})
 
 
 def model_config(model_dict, **overrides) -> TransformerConfig:
@@ -67,100 +100,159 @@ def shift_right(targets: Array, bos_id: int, segmentation: Array | None = None) 
   return jnp.where(targets != 0, shifted, 0)  # padding stays padding
 
 
+def self_attention_mask(tokens: Array, segmentation: Array | None, causal: bool) -> Array:
+  """[b, 1, len, len]: non-padding, same segment, and (if causal) not in the future."""
+  return attention.combine_masks(
+      attention.padding_mask(tokens, tokens),
+      None if segmentation is None else attention.segment_mask(segmentation, segmentation),
+      attention.causal_mask(tokens.shape[1]) if causal else None)
+
+
+# ---- Layers and stacks ---------------------------------------------------------------------
+
 class SublayerConnection(nn.Module):
   """Residual connection with LayerNorm after (post-LN) or before (pre-LN) the sublayer."""
-  pre_ln: bool
-  dropout_rate: float
-  dtype: Any
-
-  @nn.compact
-  def __call__(self, x: Array, sublayer, *, deterministic: bool) -> Array:
-    norm = nn.LayerNorm(dtype=self.dtype, name="norm")
-    y = sublayer(norm(x) if self.pre_ln else x)
-    y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
-    return x + y if self.pre_ln else norm(x + y)
-
-
-class EncoderLayer(nn.Module):
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
+  def __call__(self, x: Array, sublayer, *, deterministic: bool) -> Array:
     c = self.config
-    residual = lambda name: SublayerConnection(c.pre_ln, c.dropout_rate, c.dtype, name=name)
-    self_attention = attention.MultiHeadAttention(
-        c.num_heads, c.qkv_dim, c.attention_dropout_rate, c.dtype, name="self_attention")
+    norm = nn.LayerNorm(epsilon=c.layer_norm_epsilon, dtype=c.dtype, name="norm")
+    y = sublayer(norm(x) if c.pre_ln else x)
+    y = nn.Dropout(c.dropout_rate)(y, deterministic=deterministic)
+    return x + y if c.pre_ln else norm(x + y)
+
+
+def _attention(c: TransformerConfig, name: str, score: str = "dot_product"):
+  return attention.MultiHeadAttention(c.num_heads, c.qkv_dim, c.attention_dropout_rate, c.dtype,
+                                      score, c.attention_implementation, name=name)
+
+
+def _ffn(c: TransformerConfig):
+  rate = c.dropout_rate if c.activation_dropout_rate is None else c.activation_dropout_rate
+  return layers.FeedForward(c.mlp_dim, rate, c.ffn_activation, c.dtype, name="ffn")
+
+
+class EncoderLayer(nn.Module):
+  """Self-attention, then the feed-forward network, each with its residual connection."""
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x: Array, mask: Array | None, deterministic: bool) -> Array:
+    residual = lambda name: SublayerConnection(self.config, name=name)
+    self_attention = _attention(self.config, "self_attention")
     x = residual("attention_block")(
         x, lambda h: self_attention(h, h, mask, deterministic=deterministic),
         deterministic=deterministic)
-    ffn = layers.FeedForward(c.mlp_dim, c.dropout_rate, c.dtype, name="ffn")
+    ffn = _ffn(self.config)
     return residual("ffn_block")(x, lambda h: ffn(h, deterministic=deterministic),
                                  deterministic=deterministic)
 
 
 class DecoderLayer(nn.Module):
+  """Causal self-attention, cross-attention (unless decoder-only), feed-forward network."""
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, x: Array, encoded: Array, self_mask: Array | None,
-               cross_mask: Array | None, *, deterministic: bool, decode: bool) -> Array:
+  def __call__(self, y: Array, encoded: Array | None, self_mask: Array | None,
+               cross_mask: Array | None, deterministic: bool, decode: bool) -> Array:
     c = self.config
-    residual = lambda name: SublayerConnection(c.pre_ln, c.dropout_rate, c.dtype, name=name)
-    self_attention = attention.MultiHeadAttention(
-        c.num_heads, c.qkv_dim, c.attention_dropout_rate, c.dtype, name="self_attention")
-    x = residual("self_attention_block")(
-        x, lambda h: self_attention(h, h, self_mask, deterministic=deterministic, decode=decode),
+    residual = lambda name: SublayerConnection(c, name=name)
+    self_attention = _attention(c, "self_attention")
+    y = residual("self_attention_block")(
+        y, lambda h: self_attention(h, h, self_mask, deterministic=deterministic, decode=decode),
         deterministic=deterministic)
-    cross_attention = attention.MultiHeadAttention(
-        c.num_heads, c.qkv_dim, c.attention_dropout_rate, c.dtype, name="cross_attention")
-    x = residual("cross_attention_block")(
-        x, lambda h: cross_attention(h, encoded, cross_mask, deterministic=deterministic),
-        deterministic=deterministic)
-    ffn = layers.FeedForward(c.mlp_dim, c.dropout_rate, c.dtype, name="ffn")
-    return residual("ffn_block")(x, lambda h: ffn(h, deterministic=deterministic),
+    if encoded is not None:
+      cross_attention = _attention(c, "cross_attention", c.cross_attention_score)
+      y = residual("cross_attention_block")(
+          y, lambda h: cross_attention(h, encoded, cross_mask, deterministic=deterministic),
+          deterministic=deterministic)
+    ffn = _ffn(c)
+    return residual("ffn_block")(y, lambda h: ffn(h, deterministic=deterministic),
                                  deterministic=deterministic)
 
 
-class EncoderDecoder(nn.Module):
-  """The paper's Transformer: encoder, decoder, shared embeddings tied to the output layer."""
+class EncoderStack(nn.Module):
+  """num_layers encoder layers on embedded inputs [b, len, emb]."""
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
+    c = self.config
+    # remat: `deterministic` (argument 3, counting self) must stay a Python bool.
+    layer = nn.remat(EncoderLayer, static_argnums=(3,)) if c.remat else EncoderLayer
+    for i in range(c.num_layers):
+      x = layer(c, name=f"layer_{i}")(x, mask, deterministic)
+    if c.pre_ln if c.final_norm is None else c.final_norm:
+      x = nn.LayerNorm(epsilon=c.layer_norm_epsilon, dtype=c.dtype, name="final_norm")(x)
+    return x
+
+
+class DecoderStack(nn.Module):
+  """Decoder layers on embedded decoder inputs; `encoded` None = decoder-only."""
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, y: Array, encoded: Array | None, self_mask: Array | None,
+               cross_mask: Array | None, *, deterministic: bool, decode: bool) -> Array:
+    c = self.config
+    layer = nn.remat(DecoderLayer, static_argnums=(5, 6)) if c.remat else DecoderLayer
+    for i in range(c.num_decoder_layers or c.num_layers):
+      y = layer(c, name=f"layer_{i}")(y, encoded, self_mask, cross_mask, deterministic, decode)
+    if c.pre_ln if c.final_norm is None else c.final_norm:
+      y = nn.LayerNorm(epsilon=c.layer_norm_epsilon, dtype=c.dtype, name="final_norm")(y)
+    return y
+
+
+class TokenEmbedding(nn.Module):
+  """Token embedding scaled by sqrt(emb_dim), plus positions; `attend` gives output logits."""
   config: TransformerConfig
 
   def setup(self):
     c = self.config
     # Scaled by sqrt(emb_dim) on lookup, so initialised with stddev 1/sqrt(emb_dim).
-    self.embed = nn.Embed(c.vocab_size, c.emb_dim,
-                          embedding_init=nn.initializers.normal(stddev=c.emb_dim ** -0.5),
-                          name="shared_embedding")
-    position = lambda name: layers.PositionEmbedding(c.max_len, c.position_embedding,
-                                                     c.position_base, name=name)
-    self.encoder_positions = position("encoder_positions")
-    self.decoder_positions = position("decoder_positions")
-    self.encoder_layers = [EncoderLayer(c, name=f"encoder_layer_{i}") for i in range(c.num_layers)]
-    num_decoder_layers = c.num_decoder_layers or c.num_layers
-    self.decoder_layers = [DecoderLayer(c, name=f"decoder_layer_{i}")
-                           for i in range(num_decoder_layers)]
-    # Pre-LN stacks end with a LayerNorm; post-LN outputs are normalised already.
-    if c.pre_ln:
-      self.encoder_norm = nn.LayerNorm(dtype=c.dtype)
-      self.decoder_norm = nn.LayerNorm(dtype=c.dtype)
-    self.dropout = nn.Dropout(c.dropout_rate)
+    self.embedding = nn.Embed(c.vocab_size, c.emb_dim,
+                              embedding_init=nn.initializers.normal(stddev=c.emb_dim ** -0.5))
 
-  def _embed(self, tokens: Array) -> Array:
+  def __call__(self, tokens: Array) -> Array:
     c = self.config
-    return (self.embed(tokens) * jnp.sqrt(jnp.float32(c.emb_dim))).astype(c.dtype)
+    return (self.embedding(tokens) * jnp.sqrt(jnp.float32(c.emb_dim))).astype(c.dtype)
+
+  def attend(self, y: Array) -> Array:
+    return self.embedding.attend(y.astype(jnp.float32))  # float32 logits
+
+
+def _positions(c: TransformerConfig, name: str) -> layers.PositionEmbedding:
+  return layers.PositionEmbedding(c.max_len, c.position_embedding, c.position_base, name=name)
+
+
+# ---- Families ------------------------------------------------------------------------------
+
+class EncoderDecoder(nn.Module):
+  """The paper's Transformer: encoder, decoder, embeddings tied to the output layer."""
+  config: TransformerConfig
+
+  def setup(self):
+    c = self.config
+    self.target_embedding = TokenEmbedding(c, name="shared_embedding" if c.share_embeddings
+                                           else "target_embedding")
+    self.source_embedding = (self.target_embedding if c.share_embeddings
+                             else TokenEmbedding(c, name="source_embedding"))
+    self.encoder_positions = _positions(c, "encoder_positions")
+    self.decoder_positions = _positions(c, "decoder_positions")
+    self.encoder = EncoderStack(c, name="encoder")
+    self.decoder = DecoderStack(c, name="decoder")
+    if not c.tie_output:
+      self.logits_dense = nn.Dense(c.vocab_size, dtype=jnp.float32)
+    self.dropout = nn.Dropout(c.dropout_rate)
 
   def encode(self, inputs: Array, inputs_position: Array | None = None,
              inputs_segmentation: Array | None = None, *, deterministic: bool = False) -> Array:
     """[b, src_len] tokens -> [b, src_len, emb] encoder outputs."""
-    mask = attention.combine_masks(
-        attention.padding_mask(inputs, inputs),
-        None if inputs_segmentation is None else
-        attention.segment_mask(inputs_segmentation, inputs_segmentation))
-    x = self.encoder_positions(self._embed(inputs), inputs_position)
+    mask = self_attention_mask(inputs, inputs_segmentation, causal=False)
+    x = self.encoder_positions(self.source_embedding(inputs), inputs_position)
     x = self.dropout(x, deterministic=deterministic)
-    for layer in self.encoder_layers:
-      x = layer(x, mask, deterministic=deterministic)
-    return self.encoder_norm(x) if self.config.pre_ln else x
+    return self.encoder(x, mask, deterministic=deterministic)
 
   def decode(self, encoded: Array, inputs: Array, targets: Array,
              targets_position: Array | None = None, inputs_segmentation: Array | None = None,
@@ -169,8 +261,8 @@ class EncoderDecoder(nn.Module):
     """Decoder logits [b, tgt_len, vocab] (float32).
 
     Training (`decode=False`): `targets` are the gold outputs, shifted right here. Decoding
-    (`decode=True`): `targets` are the decoder's input tokens for this step (bos first), and
-    the self-attention KV cache supplies causality.
+    (`decode=True`): `targets` are the decoder's input tokens for this call (bos first; one
+    or several), and the self-attention KV cache supplies causality.
     """
     c = self.config
     if decode:
@@ -179,24 +271,19 @@ class EncoderDecoder(nn.Module):
       cross_mask = (inputs != 0)[:, None, None, :]  # [b, 1, 1, src_len]
     else:
       decoder_inputs = shift_right(targets, c.bos_id, targets_segmentation)
-      segments = None
-      if targets_segmentation is not None:
-        segments = attention.segment_mask(targets_segmentation, targets_segmentation)
-      self_mask = attention.combine_masks(attention.causal_mask(targets.shape[1]),
-                                          attention.padding_mask(targets, targets), segments)
-      cross_segments = None
-      if targets_segmentation is not None:
-        cross_segments = attention.segment_mask(targets_segmentation, inputs_segmentation)
-      cross_mask = attention.combine_masks(attention.padding_mask(targets, inputs),
-                                           cross_segments)
-    y = self.decoder_positions(self._embed(decoder_inputs), targets_position, decode=decode)
+      self_mask = self_attention_mask(targets, targets_segmentation, causal=True)
+      cross_mask = attention.combine_masks(
+          attention.padding_mask(targets, inputs),
+          None if targets_segmentation is None else
+          attention.segment_mask(targets_segmentation, inputs_segmentation))
+    y = self.decoder_positions(self.target_embedding(decoder_inputs), targets_position,
+                               decode=decode)
     y = self.dropout(y, deterministic=deterministic)
-    for layer in self.decoder_layers:
-      y = layer(y, encoded, self_mask, cross_mask, deterministic=deterministic, decode=decode)
-    if c.pre_ln:
-      y = self.decoder_norm(y)
-    # Output layer tied to the embedding; logits in float32 for a stable softmax.
-    return self.embed.attend(y.astype(jnp.float32))  # [b, tgt_len, vocab]
+    y = self.decoder(y, encoded, self_mask, cross_mask, deterministic=deterministic,
+                     decode=decode)
+    if c.tie_output:
+      return self.target_embedding.attend(y)
+    return self.logits_dense(y.astype(jnp.float32))
 
   def __call__(self, inputs: Array, targets: Array, inputs_position: Array | None = None,
                targets_position: Array | None = None, inputs_segmentation: Array | None = None,
@@ -207,3 +294,83 @@ class EncoderDecoder(nn.Module):
                           deterministic=deterministic)
     return self.decode(encoded, inputs, targets, targets_position, inputs_segmentation,
                        targets_segmentation, deterministic=deterministic, decode=decode)
+
+
+class DecoderOnly(nn.Module):
+  """Causal language model. Training: logits[t] predicts tokens[t] (shifted right here).
+
+  As a prefix LM (decoder-only summarization) the tokens are `SOURCE <eos> TARGET <eos>` and
+  the loss weights are 0 on the source part. Decoding (`decode=True`): `tokens` are fed as
+  they are, several at once to fill a prompt, then one per call, with the KV cache.
+  """
+  config: TransformerConfig
+
+  def setup(self):
+    c = self.config
+    self.embedding = TokenEmbedding(c, name="embedding")
+    self.positions = _positions(c, "positions")
+    self.decoder = DecoderStack(c, name="decoder")
+    if not c.tie_output:
+      self.logits_dense = nn.Dense(c.vocab_size, dtype=jnp.float32)
+    self.dropout = nn.Dropout(c.dropout_rate)
+
+  def __call__(self, tokens: Array, positions: Array | None = None,
+               segmentation: Array | None = None, *, deterministic: bool = False,
+               decode: bool = False) -> Array:
+    c = self.config
+    if decode:
+      inputs, mask = tokens, None
+    else:
+      inputs = shift_right(tokens, c.bos_id, segmentation)
+      mask = self_attention_mask(tokens, segmentation, causal=True)
+    y = self.positions(self.embedding(inputs), positions, decode=decode)
+    y = self.dropout(y, deterministic=deterministic)
+    y = self.decoder(y, None, mask, None, deterministic=deterministic, decode=decode)
+    if c.tie_output:
+      return self.embedding.attend(y)
+    return self.logits_dense(y.astype(jnp.float32))
+
+
+class EncoderClassifier(nn.Module):
+  """Encoder, pooling over non-padding tokens, dense head: [b, len] -> [b, num_classes]."""
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, inputs: Array, inputs_position: Array | None = None,
+               inputs_segmentation: Array | None = None, *,
+               deterministic: bool = False) -> Array:
+    c = self.config
+    mask = self_attention_mask(inputs, inputs_segmentation, causal=False)
+    x = _positions(c, "positions")(TokenEmbedding(c, name="embedding")(inputs), inputs_position)
+    x = nn.Dropout(c.dropout_rate)(x, deterministic=deterministic)
+    x = EncoderStack(c, name="encoder")(x, mask, deterministic=deterministic)  # [b, len, emb]
+    valid = (inputs != 0)[..., None]  # [b, len, 1]
+    if c.pooling == "mean":
+      pooled = jnp.sum(jnp.where(valid, x, 0), axis=1) / jnp.maximum(jnp.sum(valid, axis=1), 1)
+    elif c.pooling == "first":
+      pooled = x[:, 0]
+    elif c.pooling == "attention":
+      # A learned query scores every token; padding gets no weight.
+      scores = nn.Dense(1, dtype=c.dtype, name="pooling_query")(x)  # [b, len, 1]
+      scores = jnp.where(valid, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+      pooled = jnp.sum(jax.nn.softmax(scores, axis=1).astype(x.dtype) * x, axis=1)
+    else:
+      raise ValueError(f"Unknown pooling {c.pooling!r}: use 'mean', 'first' or 'attention'.")
+    pooled = nn.Dropout(c.dropout_rate)(pooled, deterministic=deterministic)
+    return nn.Dense(c.num_classes, dtype=jnp.float32, name="head")(
+        pooled.astype(jnp.float32))  # [b, num_classes]
+
+
+def attention_weights(model: nn.Module, params, *args, **kwargs) -> dict[str, Array]:
+  """Every attention layer's weights [b, heads, q_len, k_len] for one forward pass.
+
+  Keys are module paths such as 'encoder/layer_0/attention_block/self_attention'.
+  """
+  _, state = model.apply({"params": params}, *args, deterministic=True,
+                         mutable=["intermediates"], **kwargs)
+  flat = jax.tree_util.tree_flatten_with_path(state["intermediates"])[0]
+  weights = {}
+  for path, value in flat:
+    names = [p.key for p in path if isinstance(p, jax.tree_util.DictKey)]
+    weights["/".join(n for n in names if n != "attention_weights")] = value
+  return weights
