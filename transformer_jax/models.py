@@ -141,7 +141,7 @@ class EncoderLayer(nn.Module):
   def __call__(self, x: Array, mask: Array | None, deterministic: bool) -> Array:
     residual = lambda name: SublayerConnection(self.config, name=name)
     self_attention = _attention(self.config, "self_attention")
-    x = residual("attention_block")(
+    x = residual("self_attention_block")(
         x, lambda h: self_attention(h, h, mask, deterministic=deterministic),
         deterministic=deterministic)
     ffn = _ffn(self.config)
