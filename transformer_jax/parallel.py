@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import flax.jax_utils
 import jax
 import numpy as np
 
@@ -12,8 +11,16 @@ AXIS = "batch"  # the pmap axis name that collectives reduce over
 
 
 def replicate(tree: Any) -> Any:
-  """One copy of `tree` on every local device (leading axis = local device)."""
-  return flax.jax_utils.replicate(tree)
+  """One copy of `tree` on every local device (leading axis = local device).
+
+  Placed with the same sharding that pmap gives its outputs, so a step fed the replicated
+  state and then its own output compiles once, not twice.
+  """
+  devices = jax.local_devices()
+  sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devices), (AXIS,)),
+                                        jax.sharding.PartitionSpec(AXIS))
+  return jax.tree.map(lambda x: jax.device_put(
+      np.broadcast_to(np.asarray(x), (len(devices),) + np.shape(x)), sharding), tree)
 
 
 def unreplicate(tree: Any) -> Any:
