@@ -97,3 +97,20 @@ def eval_batches(data: EncodedPairs, batch_size: int) -> Iterator[dict[str, np.n
     fill = batch_size - len(sources)
     yield {"inputs": np.pad(sources, ((0, fill), (0, 0))),
            "targets": np.pad(targets, ((0, fill), (0, 0)))}
+
+
+def prefix_lm_example(source_ids: Sequence[int], target_ids: Sequence[int],
+                      max_len: int) -> tuple[np.ndarray, np.ndarray]:
+  """Decoder-only form of a source -> target pair: `SOURCE <eos> TARGET <eos> <pad>...`.
+
+  Returns tokens [max_len] and loss weights [max_len]: 0 on the source part (the model reads
+  it, is not graded on it), 1 on the target and its EOS, 0 on padding. The source is cut
+  first when the pair does not fit, so the target is kept whole where possible.
+  """
+  target = list(target_ids)[:max_len - 2] + [tokenizer_lib.EOS_ID]
+  source = list(source_ids)[:max_len - len(target) - 1] + [tokenizer_lib.EOS_ID]
+  tokens = np.zeros(max_len, np.int32)
+  weights = np.zeros(max_len, np.float32)
+  tokens[:len(source) + len(target)] = source + target
+  weights[len(source):len(source) + len(target)] = 1.0
+  return tokens, weights
