@@ -28,8 +28,11 @@ def _t(x):
 
 def _load_attention(torch_mha, p):
   """Flax MultiHeadAttention params -> torch.nn.MultiheadAttention (fused in-projection)."""
-  w = [np.asarray(p[n]["kernel"]).reshape(E, E).T for n in ("query", "key", "value")]
-  b = [np.asarray(p[n]["bias"]).reshape(E) for n in ("query", "key", "value")]
+  # Ours: self-attention has one fused 'qkv' projection [E, 3, h, d]; cross-attention has
+  # 'query' [E, 1, h, d] and a fused 'kv' [E, 2, h, d]. Torch fuses q, k, v rows in that order.
+  names = ["qkv"] if "qkv" in p else ["query", "kv"]
+  w = [np.asarray(p[n]["kernel"]).reshape(E, -1).T for n in names]
+  b = [np.asarray(p[n]["bias"]).reshape(-1) for n in names]
   torch_mha.in_proj_weight.data = _t(np.concatenate(w))
   torch_mha.in_proj_bias.data = _t(np.concatenate(b))
   torch_mha.out_proj.weight.data = _t(np.asarray(p["out"]["kernel"]).reshape(E, E).T)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -28,6 +29,32 @@ def sinusoidal_positions(length: int, dim: int, base: float = 10000.0) -> np.nda
   table[:, 0::2] = np.sin(angles)
   table[:, 1::2] = np.cos(angles[:, : dim // 2])
   return table.astype(np.float32)
+
+
+def dropout_keep_mask(rng: Array, rate: float, shape: tuple[int, ...]) -> tuple[Array, float]:
+  """Boolean keep-mask with P(keep) = 1 - rate (rate rounded to a multiple of 1/256).
+
+  Each random 32-bit word gives four 8-bit draws: 4x fewer random bits than
+  `jax.random.bernoulli`, which on CPU makes dropout ~2.4x cheaper (see README).
+  Returns the mask and the exact keep probability, for rescaling.
+  """
+  threshold = int(round(rate * 256))
+  size = math.prod(shape)
+  words = jax.random.bits(rng, ((size + 3) // 4,), jnp.uint32)
+  draws = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)[:size].reshape(shape)
+  return draws >= threshold, 1.0 - threshold / 256
+
+
+class Dropout(nn.Module):
+  """Inverted dropout like `nn.Dropout`, with the cheaper mask of `dropout_keep_mask`."""
+  rate: float
+
+  @nn.compact
+  def __call__(self, x: Array, deterministic: bool) -> Array:
+    if deterministic or self.rate == 0.0:
+      return x
+    keep, keep_prob = dropout_keep_mask(self.make_rng("dropout"), self.rate, x.shape)
+    return jnp.where(keep, x / jnp.asarray(keep_prob, x.dtype), jnp.zeros_like(x))
 
 
 class PositionEmbedding(nn.Module):
@@ -89,5 +116,5 @@ class FeedForward(nn.Module):
     act, gated = _ACTIVATIONS[self.activation]
     hidden = dense(self.mlp_dim, "wi")(x)  # [b, len, mlp]
     hidden = act(dense(self.mlp_dim, "wi_gate")(x)) * hidden if gated else act(hidden)
-    hidden = nn.Dropout(self.dropout_rate)(hidden, deterministic=deterministic)
+    hidden = Dropout(self.dropout_rate)(hidden, deterministic=deterministic)
     return dense(x.shape[-1], "wo")(hidden)  # [b, len, emb]

@@ -119,7 +119,7 @@ class SublayerConnection(nn.Module):
     c = self.config
     norm = nn.LayerNorm(epsilon=c.layer_norm_epsilon, dtype=c.dtype, name="norm")
     y = sublayer(norm(x) if c.pre_ln else x)
-    y = nn.Dropout(c.dropout_rate)(y, deterministic=deterministic)
+    y = layers.Dropout(c.dropout_rate)(y, deterministic=deterministic)
     return x + y if c.pre_ln else norm(x + y)
 
 
@@ -244,7 +244,7 @@ class EncoderDecoder(nn.Module):
     self.decoder = DecoderStack(c, name="decoder")
     if not c.tie_output:
       self.logits_dense = nn.Dense(c.vocab_size, dtype=jnp.float32)
-    self.dropout = nn.Dropout(c.dropout_rate)
+    self.dropout = layers.Dropout(c.dropout_rate)
 
   def encode(self, inputs: Array, inputs_position: Array | None = None,
              inputs_segmentation: Array | None = None, *, deterministic: bool = False) -> Array:
@@ -312,7 +312,7 @@ class DecoderOnly(nn.Module):
     self.decoder = DecoderStack(c, name="decoder")
     if not c.tie_output:
       self.logits_dense = nn.Dense(c.vocab_size, dtype=jnp.float32)
-    self.dropout = nn.Dropout(c.dropout_rate)
+    self.dropout = layers.Dropout(c.dropout_rate)
 
   def __call__(self, tokens: Array, positions: Array | None = None,
                segmentation: Array | None = None, *, deterministic: bool = False,
@@ -342,7 +342,7 @@ class EncoderClassifier(nn.Module):
     c = self.config
     mask = self_attention_mask(inputs, inputs_segmentation, causal=False)
     x = _positions(c, "positions")(TokenEmbedding(c, name="embedding")(inputs), inputs_position)
-    x = nn.Dropout(c.dropout_rate)(x, deterministic=deterministic)
+    x = layers.Dropout(c.dropout_rate)(x, deterministic=deterministic)
     x = EncoderStack(c, name="encoder")(x, mask, deterministic=deterministic)  # [b, len, emb]
     valid = (inputs != 0)[..., None]  # [b, len, 1]
     if c.pooling == "mean":
@@ -356,7 +356,7 @@ class EncoderClassifier(nn.Module):
       pooled = jnp.sum(jax.nn.softmax(scores, axis=1).astype(x.dtype) * x, axis=1)
     else:
       raise ValueError(f"Unknown pooling {c.pooling!r}: use 'mean', 'first' or 'attention'.")
-    pooled = nn.Dropout(c.dropout_rate)(pooled, deterministic=deterministic)
+    pooled = layers.Dropout(c.dropout_rate)(pooled, deterministic=deterministic)
     return nn.Dense(c.num_classes, dtype=jnp.float32, name="head")(
         pooled.astype(jnp.float32))  # [b, num_classes]
 

@@ -87,13 +87,14 @@ def train_step(state: train_state.TrainState, batch, rng, *, model: models.Encod
   def loss_fn(params):
     logits = model.apply({"params": params}, batch["inputs"], targets, deterministic=False,
                          rngs={"dropout": step_rng})
-    loss = metrics.smoothed_cross_entropy(logits, targets, label_smoothing)
-    return jnp.sum(loss * weights) / denominator, logits
+    loss, unsmoothed = metrics.smoothed_cross_entropy(logits, targets, label_smoothing,
+                                                      also_unsmoothed=True)
+    return jnp.sum(loss * weights) / denominator, (logits, unsmoothed)
 
-  (_, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  (_, (logits, unsmoothed)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
   grads = jax.lax.psum(grads, parallel.AXIS)
   new_state = state.apply_gradients(grads=grads)
-  sums = metrics.token_metrics(logits, targets, weights)
+  sums = metrics.token_metrics(logits, targets, weights, unsmoothed)
   return new_state, jax.lax.psum(sums, parallel.AXIS)
 
 
