@@ -1,9 +1,12 @@
-"""Speed on random tokens (no dataset): training step and decoding throughput.
+"""Speed on random tokens (no dataset): training step, MFU and decoding throughput.
 
   python -m transformer_jax.benchmark --config configs/demo.py --batch_size 64 --seq_len 32 \
-      --decode_len 64 --steps 20
+      --decode_len 64 --steps 20 [--config.model.K=V ...] [--vocab_size V] [--peak_tflops P]
 
-Prints one JSON line. Decoding runs for exactly `decode_len` tokens per row (EOS is never
+Prints one JSON line: train_step_s, train_tokens_per_s (target tokens per second, whole
+machine), model_flops_per_step (analytic, `flops.py`), mfu (against --peak_tflops, the data
+sheet of a known accelerator, or a measured float32 matmul on CPU), compile_s,
+peak_memory_bytes (where the backend reports it), device, and decode throughputs. Decoding runs for exactly `decode_len` tokens per row (EOS is never
 chosen) with random weights, with the KV cache and without it. "Without" recomputes the
 decoder over the whole fixed-length output buffer at every step, which is what a
 jit-compiled decoder without a cache does (shapes are static).
@@ -23,6 +26,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from transformer_jax import decoding
+from transformer_jax import flops
 from transformer_jax import models
 from transformer_jax import parallel
 from transformer_jax import predict
@@ -37,6 +41,9 @@ flags.DEFINE_integer("decode_batch_size", 32, "Rows decoded at once.")
 flags.DEFINE_integer("steps", 20, "Timed repetitions.")
 flags.DEFINE_integer("warmup", 3, "Untimed repetitions after compilation.")
 flags.DEFINE_bool("decode", True, "Also measure decoding.")
+flags.DEFINE_integer("vocab_size", None, "Overrides config.model.vocab_size.")
+flags.DEFINE_float("peak_tflops", None, "Peak TFLOP/s of one device for the MFU; default: "
+                   "known accelerators' data sheets, or a measured matmul on CPU.")
 
 NEVER = -1  # an EOS id no token has: every row decodes decode_len tokens
 
@@ -149,18 +156,29 @@ def main(argv):
   del argv
   f = flags.FLAGS
   config = f.config
-  decode_len = f.decode_len
-  if decode_len > config.model.max_len:
-    with config.unlocked():
-      config.model.max_len = decode_len
-  model = models.EncoderDecoder(models.model_config(config.model))
-  result = {"device": jax.devices()[0].device_kind, "batch_size": f.batch_size,
-            "seq_len": f.seq_len}
+  with config.unlocked():
+    if f.vocab_size:
+      config.model.vocab_size = f.vocab_size
+    config.model.max_len = max(config.model.max_len, f.seq_len, f.decode_len)
+  model_config = models.model_config(config.model)
+  model = models.EncoderDecoder(model_config)
+  device = jax.devices()[0]
+  result = {"device": device.device_kind, "devices": jax.device_count(),
+            "batch_size": f.batch_size, "seq_len": f.seq_len, "dtype": str(config.model.dtype)}
   result.update(train_speed(config, model, f.batch_size, f.seq_len, f.steps, f.warmup))
+  step_flops = flops.train_step_flops(model_config, f.batch_size, f.seq_len, f.seq_len)
+  if f.peak_tflops:
+    peak, source = f.peak_tflops, "--peak_tflops"
+  else:
+    peak, source = flops.peak_tflops(model_config.dtype, device)
+  result.update(model_flops_per_step=step_flops, peak_tflops_per_device=peak, peak_source=source,
+                mfu=step_flops / result["train_step_s"] / (peak * 1e12 * jax.device_count()))
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  result["peak_memory_bytes"] = (stats or {}).get("peak_bytes_in_use")
   if f.decode:
-    result["decode_len"] = decode_len
+    result["decode_len"] = f.decode_len
     result["decode_batch_size"] = f.decode_batch_size
-    result.update(decode_speed(config, model, f.decode_batch_size, decode_len,
+    result.update(decode_speed(config, model, f.decode_batch_size, f.decode_len,
                                max(f.steps // 4, 2), 1))
   print(json.dumps(result), flush=True)
 
