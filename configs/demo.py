@@ -78,5 +78,6 @@ def get_config() -> ml_collections.ConfigDict:
       dtype="float32",
       pre_ln=False,
       position_embedding="sinusoidal",
+      attention_implementation="reference",  # or "xla", "cudnn", "auto" (jax.nn)
   ))
   return config

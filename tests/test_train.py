@@ -124,3 +124,28 @@ def test_one_and_eight_devices_give_the_same_loss(tmp_path, data_cache):
   eight = _train_in_subprocess(str(tmp_path / "eight"), data_cache, devices=8, per_device=2)
   np.testing.assert_allclose(eight["loss"], one["loss"], rtol=1e-4)
   np.testing.assert_allclose(eight["accuracy"], one["accuracy"], rtol=1e-4)
+
+
+def test_cross_entropy_gradient_matches_autodiff():
+  from transformer_jax import metrics
+  import jax.numpy as jnp
+  logits = jax.random.normal(jax.random.PRNGKey(0), (3, 5, 11)) * 3
+  targets = jax.random.randint(jax.random.PRNGKey(1), (3, 5), 0, 11)
+
+  def reference(logits, smoothing):
+    log_probs = jax.nn.log_softmax(logits)
+    soft = jax.nn.one_hot(targets, 11) * (1 - smoothing - smoothing / 10) + smoothing / 10
+    return -jnp.sum(soft * log_probs, -1)
+
+  for smoothing in (0.0, 0.1):
+    weights = jnp.arange(15.0).reshape(3, 5)
+    ours = jax.grad(lambda x: jnp.sum(weights * metrics.smoothed_cross_entropy(x, targets,
+                                                                             smoothing)))(logits)
+    theirs = jax.grad(lambda x: jnp.sum(weights * reference(x, smoothing)))(logits)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    value, plain = metrics.smoothed_cross_entropy(logits, targets, smoothing,
+                                                  also_unsmoothed=True)
+    np.testing.assert_allclose(plain, reference(logits, 0.0), rtol=1e-5)
+    entropy = 0.0 if smoothing == 0 else -(0.9 * np.log(0.9) + 0.1 * np.log(0.01))
+    np.testing.assert_allclose(value, reference(logits, smoothing) - entropy, rtol=1e-5,
+                               atol=1e-6)

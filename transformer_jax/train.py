@@ -44,7 +44,10 @@ def rsqrt_schedule(peak_learning_rate: float, warmup_steps: int) -> optax.Schedu
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
   """Adam (0.9, 0.98, 1e-9) on the rsqrt schedule; optional clipping and weight decay."""
   schedule = rsqrt_schedule(config.learning_rate, config.warmup_steps)
-  adam = optax.adamw(schedule, b1=0.9, b2=0.98, eps=1e-9, weight_decay=config.weight_decay)
+  if config.weight_decay > 0:
+    adam = optax.adamw(schedule, b1=0.9, b2=0.98, eps=1e-9, weight_decay=config.weight_decay)
+  else:
+    adam = optax.adam(schedule, b1=0.9, b2=0.98, eps=1e-9)
   if config.grad_clip_norm > 0:
     return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), adam)
   return adam
