@@ -27,6 +27,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.num_train_steps = 1_000
   # Examples per device per step; the global batch is this times the device count.
   config.per_device_batch_size = 64
+  # Micro-batches per optimizer step (gradient accumulation): the update of a batch this many
+  # times larger, in the memory of one micro-batch.
+  config.grad_accum_steps = 1
   # Peak learning rate, reached after warmup_steps, then decayed as 1/sqrt(step).
   config.learning_rate = 2e-3
   # Linear warmup steps.

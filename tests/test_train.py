@@ -149,3 +149,15 @@ def test_cross_entropy_gradient_matches_autodiff():
     entropy = 0.0 if smoothing == 0 else -(0.9 * np.log(0.9) + 0.1 * np.log(0.01))
     np.testing.assert_allclose(value, reference(logits, smoothing) - entropy, rtol=1e-5,
                                atol=1e-6)
+
+
+def test_gradient_accumulation_equals_the_big_batch(tmp_path, tiny_config):
+  tiny_config.model.dropout_rate = 0.0
+  tiny_config.num_bleu_examples = 0
+  tiny_config.num_train_steps = 10
+  big = train.train_and_evaluate(tiny_config, str(tmp_path / "big"))
+  tiny_config.per_device_batch_size = 4
+  tiny_config.grad_accum_steps = 4
+  accumulated = train.train_and_evaluate(tiny_config, str(tmp_path / "accumulated"))
+  np.testing.assert_allclose(accumulated["loss"], big["loss"], rtol=1e-5)
+  np.testing.assert_allclose(accumulated["accuracy"], big["accuracy"], rtol=1e-5)

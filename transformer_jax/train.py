@@ -77,27 +77,49 @@ def prepare_data(config: ml_collections.ConfigDict, workdir: str, splits=sources
 
 
 def train_step(state: train_state.TrainState, batch, rng, *, model: models.EncoderDecoder,
-               label_smoothing: float):
-  """One update on the global batch; runs under pmap, reduces over all devices."""
+               label_smoothing: float, grad_accum_steps: int = 1):
+  """One update on the global batch; runs under pmap, reduces over all devices.
+
+  With `grad_accum_steps` k > 1 this device's rows are k micro-batches, run one after another
+  (lax.scan) with their gradients summed: the same update as the whole batch at once, in a
+  k-th of the activation memory.
+  """
   # Different dropout on every step and device, reproducible from (rng, step, device).
   step_rng = jax.random.fold_in(jax.random.fold_in(rng, state.step),
                                 jax.lax.axis_index(parallel.AXIS))
-  targets = batch["targets"]
-  weights = (targets > 0).astype(jnp.float32)
+  weights = (batch["targets"] > 0).astype(jnp.float32)
   # Dividing by the global token count makes the summed gradients an exact token mean.
   denominator = jax.lax.psum(jnp.sum(weights), parallel.AXIS)
 
-  def loss_fn(params):
-    logits = model.apply({"params": params}, batch["inputs"], targets, deterministic=False,
-                         rngs={"dropout": step_rng})
-    loss, unsmoothed = metrics.smoothed_cross_entropy(logits, targets, label_smoothing,
-                                                      also_unsmoothed=True)
-    return jnp.sum(loss * weights) / denominator, (logits, unsmoothed)
+  def micro_step(inputs, targets, dropout_rng):
+    def loss_fn(params):
+      logits = model.apply({"params": params}, inputs, targets, deterministic=False,
+                           rngs={"dropout": dropout_rng})
+      loss, unsmoothed = metrics.smoothed_cross_entropy(logits, targets, label_smoothing,
+                                                        also_unsmoothed=True)
+      token_weights = (targets > 0).astype(jnp.float32)
+      return jnp.sum(loss * token_weights) / denominator, (logits, unsmoothed, token_weights)
 
-  (_, (logits, unsmoothed)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    (_, (logits, unsmoothed, token_weights)), grads = jax.value_and_grad(
+        loss_fn, has_aux=True)(state.params)
+    return grads, metrics.token_metrics(logits, targets, token_weights, unsmoothed)
+
+  if grad_accum_steps == 1:
+    grads, sums = micro_step(batch["inputs"], batch["targets"], step_rng)
+  else:
+    split = lambda x: x.reshape((grad_accum_steps, -1) + x.shape[1:])
+    micro_batches = (split(batch["inputs"]), split(batch["targets"]),
+                     jax.random.split(step_rng, grad_accum_steps))
+
+    def accumulate(totals, micro_batch):
+      grads, sums = micro_step(*micro_batch)
+      return jax.tree.map(jnp.add, totals, (grads, sums)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: micro_step(
+        micro_batches[0][0], micro_batches[1][0], micro_batches[2][0])))
+    (grads, sums), _ = jax.lax.scan(accumulate, zeros, micro_batches)
   grads = jax.lax.psum(grads, parallel.AXIS)
   new_state = state.apply_gradients(grads=grads)
-  sums = metrics.token_metrics(logits, targets, weights, unsmoothed)
   return new_state, jax.lax.psum(sums, parallel.AXIS)
 
 
@@ -117,7 +139,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   is_chief = jax.process_index() == 0
   writer = metric_writers.create_default_writer(workdir, just_logging=not is_chief)
   num_devices = jax.local_device_count()
-  global_batch_size = config.per_device_batch_size * jax.device_count()
+  # Each optimizer step sees grad_accum_steps micro-batches of per_device_batch_size per device.
+  global_batch_size = (config.per_device_batch_size * jax.device_count() *
+                       config.grad_accum_steps)
 
   # ---- Data -----------------------------------------------------------------------------
   pairs, tokenizer, encoded = prepare_data(config, workdir, ("train", config.eval_split))
@@ -151,7 +175,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   # ---- Compiled steps -------------------------------------------------------------------
   p_train_step = jax.pmap(
-      functools.partial(train_step, model=model, label_smoothing=config.label_smoothing),
+      functools.partial(train_step, model=model, label_smoothing=config.label_smoothing,
+                        grad_accum_steps=config.grad_accum_steps),
       axis_name=parallel.AXIS, donate_argnums=(0,))
   evaluator = evaluation.Evaluator(model, tokenizer, config.per_device_batch_size * num_devices,
                                    config.decoding)
