@@ -140,11 +140,11 @@ def _train(config, batches, **model_overrides):
   """Losses of 4 pmapped training steps of the tiny demo model with these overrides."""
   config = config.copy_and_resolve_references()
   config.model.update(model_overrides)
+  config.label_smoothing = 0.0
   model = models.EncoderDecoder(models.model_config(config.model))
   state = parallel.replicate(jax.jit(functools.partial(train.create_state, config, model))(
       jax.random.PRNGKey(0)))
-  step = jax.pmap(functools.partial(train.train_step, model=model, label_smoothing=0.0),
-                  axis_name=parallel.AXIS)
+  step = train.compile_train_step(config, model)
   rng = parallel.replicate(jax.random.PRNGKey(1))
   losses = []
   for batch in batches:

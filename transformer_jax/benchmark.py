@@ -6,8 +6,10 @@
 Prints one JSON line: train_step_s, train_tokens_per_s (target tokens per second, whole
 machine), model_flops_per_step (analytic, `flops.py`), mfu (against --peak_tflops, the data
 sheet of a known accelerator, or a measured float32 matmul on CPU), compile_s,
-peak_memory_bytes (where the backend reports it), device, and decode throughputs. Decoding runs for exactly `decode_len` tokens per row (EOS is never
-chosen) with random weights, with the KV cache and without it. "Without" recomputes the
+peak_memory_bytes (where the backend reports it), device, and decode throughputs.
+
+Decoding runs for exactly `decode_len` tokens per row (EOS is never chosen) with random
+weights, with the KV cache and without it. "Without" recomputes the
 decoder over the whole fixed-length output buffer at every step, which is what a
 jit-compiled decoder without a cache does (shapes are static).
 """
@@ -66,9 +68,7 @@ def train_speed(config, model, batch_size: int, seq_len: int, steps: int, warmup
   state = jax.jit(functools.partial(train.create_state, config, model))(jax.random.PRNGKey(0))
   holder = {"state": parallel.replicate(state)}
   dropout = parallel.replicate(jax.random.PRNGKey(1))
-  step = jax.pmap(functools.partial(train.train_step, model=model,
-                                    label_smoothing=config.label_smoothing),
-                  axis_name=parallel.AXIS, donate_argnums=(0,))
+  step = train.compile_train_step(config, model)
 
   def run():
     holder["state"], sums = step(holder["state"], batch, dropout)
@@ -88,11 +88,11 @@ def _no_pad(logits):
 
 
 def _cached_callback(model, params, encoded, source, batch_rows, decode_len):
+  cached = predict.cached_tokens_to_logits(model, params, encoded, source)
+
   def tokens_to_logits(ids, cache):
-    logits, variables = model.apply({"params": params, "cache": cache}, encoded, source, ids,
-                                    deterministic=True, decode=True, mutable=["cache"],
-                                    method=model.decode)
-    return _no_pad(logits[:, -1]), variables["cache"]
+    logits, cache = cached(ids, cache)
+    return _no_pad(logits), cache
 
   return tokens_to_logits, predict.init_cache(model, batch_rows, source.shape[1], decode_len)
 

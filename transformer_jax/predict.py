@@ -24,6 +24,7 @@ from transformer_jax import decoding
 from transformer_jax import models
 from transformer_jax import parallel
 from transformer_jax import tokenizer as tokenizer_lib
+from transformer_jax.data import pipeline
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.model"
@@ -67,6 +68,18 @@ def max_decode_len(decoding_config: ml_collections.ConfigDict,
   return min(length, model_config.max_len)
 
 
+def cached_tokens_to_logits(model: models.EncoderDecoder, params, encoded, source):
+  """The decoding callback: next-token logits [n, vocab] from the decoder's KV cache."""
+
+  def tokens_to_logits(ids, cache):
+    logits, variables = model.apply(
+        {"params": params, "cache": cache}, encoded, source, ids, deterministic=True,
+        decode=True, mutable=["cache"], method=model.decode)
+    return logits[:, -1], variables["cache"]
+
+  return tokens_to_logits
+
+
 def _generate(params, inputs, rng, *, model: models.EncoderDecoder,
               decoding_config: ml_collections.ConfigDict, max_len: int):
   """[b, src_len] source tokens -> [b, max_len] output tokens, with the KV cache."""
@@ -79,12 +92,7 @@ def _generate(params, inputs, rng, *, model: models.EncoderDecoder,
   else:
     source = inputs
 
-  def tokens_to_logits(ids, cache):
-    logits, variables = model.apply(
-        {"params": params, "cache": cache}, encoded, source, ids, deterministic=True,
-        decode=True, mutable=["cache"], method=model.decode)
-    return logits[:, -1], variables["cache"]
-
+  tokens_to_logits = cached_tokens_to_logits(model, params, encoded, source)
   batch_size = inputs.shape[0]
   cache = init_cache(model, batch_size, inputs.shape[1], max_len)
   common = dict(eos_id=tokenizer_lib.EOS_ID, max_decode_len=max_len)
@@ -108,16 +116,16 @@ def decode_fn(model: models.EncoderDecoder, decoding_config: ml_collections.Conf
 
   One compilation per source length; the output length follows `max_decode_len`.
   """
-  cache: dict[int, object] = {}
+  compiled: dict[int, object] = {}  # by source length
 
   def run(replicated_params, sharded_inputs, rng):
     source_len = sharded_inputs.shape[-1]
-    if source_len not in cache:
+    if source_len not in compiled:
       max_len = max_decode_len(decoding_config, model.config, source_len)
-      cache[source_len] = jax.pmap(
+      compiled[source_len] = jax.pmap(
           functools.partial(_generate, model=model, decoding_config=decoding_config,
                             max_len=max_len), axis_name=parallel.AXIS, in_axes=(0, 0, None))
-    return cache[source_len](replicated_params, sharded_inputs, rng)
+    return compiled[source_len](replicated_params, sharded_inputs, rng)
 
   return run
 
@@ -207,10 +215,7 @@ class Translator:
       buckets.setdefault(_bucket_length(len(ids) + 1, max_len), []).append(i)
     outputs = [""] * len(texts)
     for length, indices in sorted(buckets.items()):
-      sources = np.zeros((len(indices), length), np.int32)
-      for row, i in enumerate(indices):
-        ids = token_ids[i][:length - 1] + [tokenizer_lib.EOS_ID]
-        sources[row, :len(ids)] = ids
+      sources, _ = pipeline.pad_with_eos([token_ids[i] for i in indices], length)
       tokens = translate_ids(self._decode, self.replicated_params, sources, self.batch_size,
                              self.config.decoding.seed)
       for i, row in zip(indices, tokens):

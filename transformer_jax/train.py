@@ -123,6 +123,14 @@ def train_step(state: train_state.TrainState, batch, rng, *, model: models.Encod
   return new_state, jax.lax.psum(sums, parallel.AXIS)
 
 
+def compile_train_step(config: ml_collections.ConfigDict, model: models.EncoderDecoder):
+  """`train_step` under pmap for this config, the state donated (updated in place)."""
+  return jax.pmap(
+      functools.partial(train_step, model=model, label_smoothing=config.label_smoothing,
+                        grad_accum_steps=config.grad_accum_steps),
+      axis_name=parallel.AXIS, donate_argnums=(0,))
+
+
 def create_state(config: ml_collections.ConfigDict, model: models.EncoderDecoder,
                  rng) -> train_state.TrainState:
   shape = (1, config.max_source_length), (1, config.max_target_length)
@@ -174,10 +182,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   start_step = int(state.step)
 
   # ---- Compiled steps -------------------------------------------------------------------
-  p_train_step = jax.pmap(
-      functools.partial(train_step, model=model, label_smoothing=config.label_smoothing,
-                        grad_accum_steps=config.grad_accum_steps),
-      axis_name=parallel.AXIS, donate_argnums=(0,))
+  p_train_step = compile_train_step(config, model)
   evaluator = evaluation.Evaluator(model, tokenizer, config.per_device_batch_size * num_devices,
                                    config.decoding)
   state = parallel.replicate(state)

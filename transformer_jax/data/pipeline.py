@@ -27,19 +27,26 @@ class EncodedPairs:
     return len(self.sources)
 
 
-def encode_texts(texts: Sequence[str], tokenizer: tokenizer_lib.Tokenizer,
-                 max_len: int) -> tuple[np.ndarray, int]:
-  """Token ids + EOS, padded with 0 to [n, max_len]; too long texts are cut, keeping EOS."""
-  array = np.zeros((len(texts), max_len), dtype=np.int32)
+def pad_with_eos(rows: Sequence[Sequence[int]], max_len: int) -> tuple[np.ndarray, int]:
+  """Token id rows + EOS, padded with 0 to [n, max_len]; too long rows are cut, keeping EOS.
+
+  Returns the array and how many rows were cut.
+  """
+  array = np.zeros((len(rows), max_len), dtype=np.int32)
   truncated = 0
-  for row, text in enumerate(texts):
-    ids = tokenizer.encode(text)
+  for row, ids in enumerate(rows):
     if len(ids) + 1 > max_len:
       ids = ids[:max_len - 1]
       truncated += 1
     array[row, :len(ids)] = ids
     array[row, len(ids)] = tokenizer_lib.EOS_ID
   return array, truncated
+
+
+def encode_texts(texts: Sequence[str], tokenizer: tokenizer_lib.Tokenizer,
+                 max_len: int) -> tuple[np.ndarray, int]:
+  """Encoded texts through `pad_with_eos`."""
+  return pad_with_eos([tokenizer.encode(text) for text in texts], max_len)
 
 
 def encode_pairs(pairs: Sequence[tuple[str, str]], tokenizer: tokenizer_lib.Tokenizer,
