@@ -22,7 +22,7 @@ def make_tiny_config(cache_dir: str):
   config.log_every_steps = 5
   config.eval_every_steps = 10
   config.checkpoint_every_steps = 10
-  config.num_bleu_examples = 16
+  config.num_generate_examples = 16
   config.model.update(vocab_size=256, emb_dim=32, num_heads=2, num_layers=1, qkv_dim=32,
                       mlp_dim=64, max_len=32)
   return config

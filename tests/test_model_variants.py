@@ -9,6 +9,7 @@ import pytest
 
 from transformer_jax import models
 from transformer_jax import parallel
+from transformer_jax import tasks
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax import train
 from transformer_jax.data import demo
@@ -131,9 +132,9 @@ def demo_batches(data_cache):
   config = make_tiny_config(data_cache)
   pairs = demo.generate_splits(256, 0, 0, seed=1)["train"]
   tok = tokenizer_lib.train_tokenizer((t for p in pairs for t in p), 256, model_type="bpe")
-  data = pipeline.encode_pairs(pairs, tok, config.max_source_length, config.max_target_length)
+  data, _ = tasks.encode_examples([{"source": s, "target": t} for s, t in pairs], tok, config)
   batches = pipeline.TrainBatches(data, 16, seed=0)
-  return config, [batches.batch(i) for i in range(4)]
+  return config, [next(batches) for _ in range(4)]
 
 
 def _train(config, batches, **model_overrides):

@@ -6,8 +6,8 @@ from transformer_jax.data import pipeline
 
 def test_prefix_lm_example_literal():
   tokens, weights = pipeline.prefix_lm_example([7, 8, 9], [5, 6], max_len=9)
-  np.testing.assert_array_equal(tokens, [7, 8, 9, 1, 5, 6, 1, 0, 0])
-  np.testing.assert_array_equal(weights, [0, 0, 0, 0, 1, 1, 1, 0, 0])
+  np.testing.assert_array_equal(tokens, [7, 8, 9, 1, 5, 6, 1])
+  np.testing.assert_array_equal(weights, [0, 0, 0, 0, 1, 1, 1])
 
 
 def test_prefix_lm_example_cuts_the_source_first():
@@ -16,20 +16,71 @@ def test_prefix_lm_example_cuts_the_source_first():
   np.testing.assert_array_equal(weights, [0, 0, 0, 1, 1, 1])
 
 
-def test_train_batches_are_a_function_of_the_step():
-  data = pipeline.EncodedPairs(np.arange(10)[:, None], np.arange(10)[:, None] + 100, 0)
+def _numbered(n: int, lengths=None) -> pipeline.Encoded:
+  """Example i: inputs [i+10] * length_i + EOS and targets [i+100, EOS]."""
+  lengths = lengths or [1] * n
+  inputs = [np.array([i + 10] * lengths[i] + [1], np.int32) for i in range(n)]
+  targets = [np.array([i + 100, 1], np.int32) for i in range(n)]
+  return pipeline.Encoded({"inputs": inputs, "targets": targets}, {"inputs": 8, "targets": 6})
+
+
+def test_train_batches_cover_each_epoch_and_resume_from_their_state():
+  data = _numbered(10)
   batches = pipeline.TrainBatches(data, global_batch_size=4, seed=3)
-  first_epoch = np.concatenate([batches.batch(s)["inputs"][:, 0] for s in range(2)] +
-                               [batches.batch(2)["inputs"][:2, 0]])
-  assert sorted(first_epoch) == list(range(10))  # an epoch sees every example once
+  first_epoch = np.concatenate([next(batches)["targets"][:, 0] for _ in range(2)] +
+                               [next(batches)["targets"][:2, 0]])
+  assert sorted(first_epoch - 100) == list(range(10))  # an epoch sees every example once
+  assert batches.state == {"epoch": 1, "row": 2}
   resumed = pipeline.TrainBatches(data, global_batch_size=4, seed=3)
-  for step in (7, 2, 5):
-    np.testing.assert_array_equal(resumed.batch(step)["inputs"], batches.batch(step)["inputs"])
+  resumed.restore(batches.state)
+  for _ in range(4):
+    np.testing.assert_array_equal(next(resumed)["inputs"], next(batches)["inputs"])
   # Two processes split each global batch between them.
-  halves = [pipeline.TrainBatches(data, 4, 3, process_index=i, process_count=2).batch(5)
+  whole = pipeline.TrainBatches(data, 4, 3)
+  halves = [pipeline.TrainBatches(data, 4, 3, process_index=i, process_count=2)
             for i in range(2)]
-  np.testing.assert_array_equal(np.concatenate([h["inputs"] for h in halves]),
-                                batches.batch(5)["inputs"])
+  for _ in range(3):
+    np.testing.assert_array_equal(
+        np.concatenate([next(h)["inputs"] for h in halves]), next(whole)["inputs"])
+
+
+def test_packed_batch_has_the_exact_features():
+  # Inputs of 3, 4, 2 and 5 tokens (EOS included) in rows of 8; targets of 2 in rows of 6.
+  data = _numbered(4, lengths=[2, 3, 1, 4])
+  assert pipeline.pack_rows(data, [0, 1, 2, 3]) == [[0, 1], [2, 3]]
+  batch = pipeline.pad_rows(data, [[0, 1], [2, 3]], pack=True)
+  assert sorted(batch) == ["inputs", "inputs_position", "inputs_segmentation", "targets",
+                           "targets_position", "targets_segmentation"]
+  np.testing.assert_array_equal(batch["inputs"], [[10, 10, 1, 11, 11, 11, 1, 0],
+                                                  [12, 1, 13, 13, 13, 13, 1, 0]])
+  np.testing.assert_array_equal(batch["inputs_segmentation"], [[1, 1, 1, 2, 2, 2, 2, 0],
+                                                               [1, 1, 2, 2, 2, 2, 2, 0]])
+  np.testing.assert_array_equal(batch["inputs_position"], [[0, 1, 2, 0, 1, 2, 3, 0],
+                                                           [0, 1, 0, 1, 2, 3, 4, 0]])
+  np.testing.assert_array_equal(batch["targets"], [[100, 1, 101, 1, 0, 0],
+                                                   [102, 1, 103, 1, 0, 0]])
+  np.testing.assert_array_equal(batch["targets_segmentation"], [[1, 1, 2, 2, 0, 0],
+                                                                [1, 1, 2, 2, 0, 0]])
+  np.testing.assert_array_equal(batch["targets_position"], [[0, 1, 0, 1, 0, 0],
+                                                            [0, 1, 0, 1, 0, 0]])
+
+
+def test_packing_starts_a_new_row_when_any_feature_is_full():
+  data = _numbered(5)  # inputs of 2 tokens in rows of 8, targets of 2 in rows of 6
+  assert pipeline.pack_rows(data, range(5)) == [[0, 1, 2], [3, 4]]  # targets fill first
+
+
+def test_packed_training_resumes_exactly():
+  data = _numbered(30, lengths=[1 + i % 5 for i in range(30)])
+  batches = pipeline.TrainBatches(data, global_batch_size=3, seed=0, pack=True)
+  for _ in range(5):
+    next(batches)
+  resumed = pipeline.TrainBatches(data, global_batch_size=3, seed=0, pack=True)
+  resumed.restore(batches.state)
+  for _ in range(10):  # across epoch boundaries too
+    expected, got = next(batches), next(resumed)
+    for name in expected:
+      np.testing.assert_array_equal(got[name], expected[name])
 
 
 def test_demo_grammar_agreement_and_word_order():

@@ -104,7 +104,7 @@ from transformer_jax import train
 config = make_tiny_config({cache!r})
 config.per_device_batch_size = {per_device}
 config.model.dropout_rate = 0.0
-config.num_bleu_examples = 0
+config.num_generate_examples = 0
 result = train.train_and_evaluate(config, {workdir!r})
 print("RESULT", json.dumps(result))
 """
@@ -153,7 +153,7 @@ def test_cross_entropy_gradient_matches_autodiff():
 
 def test_gradient_accumulation_equals_the_big_batch(tmp_path, tiny_config):
   tiny_config.model.dropout_rate = 0.0
-  tiny_config.num_bleu_examples = 0
+  tiny_config.num_generate_examples = 0
   tiny_config.num_train_steps = 10
   big = train.train_and_evaluate(tiny_config, str(tmp_path / "big"))
   tiny_config.per_device_batch_size = 4

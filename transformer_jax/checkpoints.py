@@ -22,20 +22,24 @@ def manager(workdir: str, max_to_keep: int | None = 3, *, read_only: bool = Fals
                                options=options)
 
 
-def save(checkpoints: ocp.CheckpointManager, step: int, params: Any, opt_state: Any) -> None:
-  """Starts saving params and optimizer state in the background (separate items, so inference
-  restores the parameters alone)."""
-  checkpoints.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
-                                                 opt_state=ocp.args.StandardSave(opt_state)),
-                   force=True)
+def save(checkpoints: ocp.CheckpointManager, step: int, params: Any, opt_state: Any,
+         data_state: dict | None = None) -> None:
+  """Starts saving params, optimizer state and the input pipeline's position in the
+  background (separate items, so inference restores the parameters alone)."""
+  items = dict(params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state))
+  if data_state is not None:
+    items["data_state"] = ocp.args.JsonSave(data_state)
+  checkpoints.save(step, args=ocp.args.Composite(**items), force=True)
 
 
 def restore(checkpoints: ocp.CheckpointManager, abstract_params: Any,
-            abstract_opt_state: Any = None, step: int | None = None) -> tuple[Any, Any, int]:
+            abstract_opt_state: Any = None, step: int | None = None, *,
+            with_data_state: bool = False) -> tuple:
   """Restores `step` (default: latest) into the shapes and dtypes of the abstract trees.
 
   Returns:
-    (params, opt_state or None when `abstract_opt_state` is None, step).
+    (params, opt_state or None when `abstract_opt_state` is None, step), and the input
+    pipeline's saved position as a fourth item when `with_data_state`.
 
   Raises:
     CheckpointError: there is no such checkpoint, or it was saved by a different model.
@@ -54,11 +58,14 @@ def restore(checkpoints: ocp.CheckpointManager, abstract_params: Any,
     items["opt_state"] = abstract_opt_state
   args = {name: ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, tree))
           for name, tree in items.items()}
+  if with_data_state:
+    args["data_state"] = ocp.args.JsonRestore()
   try:
     restored = checkpoints.restore(step, args=ocp.args.Composite(**args))
-  except (ValueError, KeyError, TypeError) as e:
+  except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
     raise CheckpointError(
         f"The checkpoint at step {step} in {checkpoints.directory} does not match this model "
         f"(was it trained with another config.model?). Use the workdir's own config.json or a "
         f"new workdir. Details: {str(e)[:500]}") from None
-  return restored["params"], restored.get("opt_state"), int(step)
+  result = (restored["params"], restored.get("opt_state"), int(step))
+  return result + (dict(restored["data_state"]),) if with_data_state else result

@@ -8,6 +8,7 @@ import sys
 from absl import logging
 
 from transformer_jax import evaluation
+from transformer_jax import metrics
 from transformer_jax import predict
 from transformer_jax import train
 
@@ -15,16 +16,17 @@ from transformer_jax import train
 def run_evaluate(workdir: str, step: int | None = None, split: str = "test",
                  average_last: int = 1) -> dict:
   """Task metrics of the workdir's checkpoint (latest unless `step`; the mean of the last
-  `average_last` checkpoints up to it) on `split`."""
-  translator = predict.Translator.from_workdir(workdir, step, average_last)
-  config = translator.config
-  pairs, _, encoded = train.prepare_data(config, workdir, (split,))
-  evaluator = evaluation.Evaluator(translator.model, translator.tokenizer,
-                                   translator.batch_size, config.decoding)
-  result = evaluator.evaluate(translator.replicated_params, encoded[split], [t for _, t in pairs[split]])
-  result.update(step=translator.step, split=split, examples=len(encoded[split]),
+  `average_last` checkpoints up to it) on every example of `split`."""
+  predictor = predict.Predictor.from_workdir(workdir, step, average_last)
+  config = predictor.config
+  examples, _, encoded = train.prepare_data(config, workdir, (split,))
+  evaluator = evaluation.Evaluator(config, predictor)
+  result, _ = evaluator.evaluate(predictor.replicated_params, encoded[split], examples[split])
+  result.update(step=predictor.step, split=split, examples=len(encoded[split]),
                 decoding=config.decoding.method, average_last=average_last)
-  logging.info("Evaluated step %d on %s: %s", translator.step, split, result)
+  if "bleu" in result or config.task == "multitask":
+    result["bleu_signature"] = metrics.bleu_signature()
+  logging.info("Evaluated step %d on %s: %s", predictor.step, split, result)
   return result
 
 
@@ -42,9 +44,9 @@ def _open(path: str, mode: str):
 
 def run_predict(workdir: str, input_path: str, output_path: str, step: int | None = None,
                 average_last: int = 1) -> None:
-  """Translates `input_path` line by line into `output_path` ('-' = stdin / stdout)."""
-  translator = predict.Translator.from_workdir(workdir, step, average_last)
+  """One output per line of `input_path` into `output_path` ('-' = stdin / stdout)."""
+  predictor = predict.Predictor.from_workdir(workdir, step, average_last)
   with _open(input_path, "r") as source, _open(output_path, "w") as sink:
-    for output in translator.translate_lines(source):
+    for output in predictor.predict_lines(source):
       sink.write(output.replace("\n", " ") + "\n")
       sink.flush()

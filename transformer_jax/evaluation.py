@@ -1,4 +1,6 @@
-"""Evaluation on a held-out split: token loss and accuracy, and BLEU of its translations."""
+"""Evaluation on a held-out split: loss and accuracy, then the task's own metric on generated
+outputs: sacreBLEU (translation), ROUGE-1/2/L (summarization), accuracy and macro-F1
+(classification), each of them per part for a multitask mixture."""
 
 from __future__ import annotations
 
@@ -11,60 +13,86 @@ import numpy as np
 from absl import logging
 
 from transformer_jax import metrics
-from transformer_jax import models
 from transformer_jax import parallel
 from transformer_jax import predict
-from transformer_jax import tokenizer as tokenizer_lib
+from transformer_jax import tasks
 from transformer_jax.data import pipeline
 
 
-def _eval_step(params, batch, *, model: models.EncoderDecoder):
-  logits = model.apply({"params": params}, batch["inputs"], batch["targets"], deterministic=True)
-  sums = metrics.token_metrics(logits, batch["targets"], batch["targets"] > 0)
-  return jax.lax.psum(sums, parallel.AXIS)
+def _eval_step(params, batch, *, model):
+  logits = tasks.forward(model, params, batch, deterministic=True)
+  labels, weights = tasks.labels_and_weights(batch)
+  return jax.lax.psum(metrics.token_metrics(logits, labels, weights), parallel.AXIS)
+
+
+def text_metrics(task: str, outputs: Sequence[str], references: Sequence[str]) -> dict:
+  """The task's metric of generated texts against reference texts."""
+  if task == "translation":
+    score, signature = metrics.bleu(outputs, references)
+    logging.info("sacreBLEU %.2f (%s)", score, signature)
+    return {"bleu": score}
+  if task == "summarization":
+    return metrics.rouge(outputs, references)
+  if task == "classification":  # multitask: the label name as text
+    return {"accuracy": float(np.mean([o.strip() == r.strip()
+                                       for o, r in zip(outputs, references)]))}
+  raise ValueError(f"No text metric for task {task!r}.")
 
 
 class Evaluator:
-  """Compiled eval and decode steps for one model; params are passed per call."""
+  """Compiled eval and generation steps for one model; params are passed per call."""
 
-  def __init__(self, model: models.EncoderDecoder, tokenizer: tokenizer_lib.Tokenizer,
-               batch_size: int, decoding_config: ml_collections.ConfigDict):
-    self.tokenizer = tokenizer
-    self.batch_size = batch_size
-    self._eval_step = jax.pmap(functools.partial(_eval_step, model=model),
+  def __init__(self, config: ml_collections.ConfigDict, predictor: predict.Predictor):
+    self.config = config
+    self.predictor = predictor
+    self._eval_step = jax.pmap(functools.partial(_eval_step, model=predictor.model),
                                axis_name=parallel.AXIS)
-    self._decode = predict.decode_fn(model, decoding_config)
-    self._seed = decoding_config.seed
 
-  def loss_and_accuracy(self, replicated_params, data: pipeline.EncodedPairs) -> dict:
+  def loss_and_accuracy(self, replicated_params, data: pipeline.Encoded) -> dict:
     sums = None
-    for batch in pipeline.eval_batches(data, self.batch_size):
+    for batch in pipeline.eval_batches(data, self.predictor.batch_size):
       step_sums = self._eval_step(replicated_params, parallel.shard(batch))
       sums = metrics.add_sums(sums, jax.tree.map(lambda x: x[0], step_sums))
     result = metrics.normalize(sums)
-    result["perplexity"] = float(np.exp(min(result["loss"], 50.0)))
+    if data.labels is None:
+      result["perplexity"] = float(np.exp(min(result["loss"], 50.0)))
     return result
 
-  def bleu(self, replicated_params, data: pipeline.EncodedPairs,
-           references: Sequence[str]) -> tuple[dict, list[str]]:
-    """BLEU of the translations of `data.sources` (config.decoding) against `references`."""
-    tokens = predict.translate_ids(self._decode, replicated_params, data.sources, self.batch_size,
-                                   self._seed)
-    hypotheses = [self.tokenizer.decode(row) for row in tokens]
-    score, signature = metrics.bleu(hypotheses, references)
-    logging.info("sacreBLEU %.2f (%s)", score, signature)
-    return {"bleu": score}, hypotheses
+  def evaluate(self, replicated_params, data: pipeline.Encoded, examples: Sequence[dict],
+               num_generate_examples: int = -1) -> tuple[dict, list[str]]:
+    """Metrics of `data` (the encoded `examples`) and a few sample outputs as Markdown.
 
-  def evaluate(self, replicated_params, data: pipeline.EncodedPairs,
-               references: Sequence[str], num_bleu_examples: int = -1) -> dict:
-    """Loss, accuracy and perplexity on all of `data`; BLEU on its first `num_bleu_examples`."""
+    Loss and accuracy use every example; generated metrics use the first
+    `num_generate_examples` (-1 = all; a classifier always uses all, its outputs are cheap).
+    """
+    self.predictor.replicated_params = replicated_params
     result = self.loss_and_accuracy(replicated_params, data)
-    n = len(data) if num_bleu_examples < 0 else min(num_bleu_examples, len(data))
-    if n:
-      subset = pipeline.EncodedPairs(data.sources[:n], data.targets[:n], 0)
-      bleu, hypotheses = self.bleu(replicated_params, subset, references[:n])
-      result.update(bleu)
-      for source, hypothesis, reference in list(zip(data.sources, hypotheses, references))[:3]:
-        logging.info("example: %s\n  -> %s\n  reference: %s", self.tokenizer.decode(source),
-                     hypothesis, reference)
-    return result
+    task = self.config.task
+    n = len(data) if num_generate_examples < 0 or task == "classification" else min(
+        num_generate_examples, len(data))
+    if not n:
+      return result, []
+    prompts = tasks.prompt_tokens(data.subset(range(n))).features["inputs"]
+    output_ids = self.predictor.output_ids(prompts)
+    if task == "classification":
+      predicted = [int(ids[0]) for ids in output_ids]
+      result.update(metrics.classification_scores(predicted, data.labels[:n],
+                                                  self.config.model.num_classes))
+      outputs = [self.predictor.output_text(ids) for ids in output_ids]
+      references = [self.predictor.output_text([e["label"]]) for e in examples[:n]]
+    else:
+      outputs = [self.predictor.output_text(ids) for ids in output_ids]
+      references = [e["target"] for e in examples[:n]]
+      if task == "multitask":
+        for part in sorted({e["task"] for e in examples[:n]}):
+          chosen = [i for i, e in enumerate(examples[:n]) if e["task"] == part]
+          part_result = text_metrics(examples[chosen[0]]["metric"],
+                                     [outputs[i] for i in chosen], [references[i] for i in chosen])
+          result.update({f"{part}_{k}": v for k, v in part_result.items()})
+      else:
+        result.update(text_metrics(task, outputs, references))
+    samples = [f"**source:** {e['source'][:2000]}\n\n**output:** {o}\n\n**reference:** {r}"
+               for e, o, r in list(zip(examples, outputs, references))[:3]]
+    for sample in samples:
+      logging.info("example: %s", sample.replace("\n\n", " | "))
+    return result, samples

@@ -68,7 +68,10 @@ class PositionEmbedding(nn.Module):
   base: float = 10000.0
 
   @nn.compact
-  def __call__(self, x: Array, positions: Array | None = None, *, decode: bool = False) -> Array:
+  def __call__(self, x: Array, positions: Array | None = None, *, decode: bool = False,
+               decode_offset: Array | None = None) -> Array:
+    """`decode_offset` [b]: in decode mode, row i's tokens sit offset[i] positions before
+    their cache slots (a right-padded prompt of a prefix LM was filled in first)."""
     length, dim = x.shape[1], x.shape[2]
     if self.kind == "sinusoidal":
       table = jnp.asarray(sinusoidal_positions(self.max_len, dim, self.base))
@@ -82,6 +85,8 @@ class PositionEmbedding(nn.Module):
       index = self.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
       if initialized:
         positions = (index.value + jnp.arange(length))[None, :]
+        if decode_offset is not None:
+          positions = positions - decode_offset[:, None]
         index.value = index.value + length
     if positions is None:
       positions = jnp.arange(length)[None, :]

@@ -106,3 +106,35 @@ def bleu(hypotheses: Sequence[str], references: Sequence[str]) -> tuple[float, s
   metric = sacrebleu.metrics.BLEU()
   score = metric.corpus_score(list(hypotheses), [list(references)])
   return float(score.score), str(metric.get_signature())
+
+
+def bleu_signature() -> str:
+  """The signature of `bleu` (its settings and sacreBLEU's version; not data-dependent)."""
+  return str(sacrebleu.metrics.BLEU().get_signature())
+
+
+def rouge(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, float]:
+  """Mean ROUGE-1/2/L F-measure x 100 (rouge-score, Porter stemming, as in the summarization
+  literature); ROUGE-L is the sentence-level LCS variant."""
+  from rouge_score import rouge_scorer  # pylint: disable=g-import-not-at-top
+  scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+  totals = {"rouge1": 0.0, "rouge2": 0.0, "rougeL": 0.0}
+  for hypothesis, reference in zip(hypotheses, references):
+    for name, score in scorer.score(reference, hypothesis).items():
+      totals[name] += score.fmeasure
+  return {name: 100.0 * total / max(len(hypotheses), 1) for name, total in totals.items()}
+
+
+def classification_scores(predictions: Sequence[int], labels: Sequence[int],
+                          num_classes: int) -> dict[str, float]:
+  """Accuracy and macro-F1 (the unweighted mean of per-class F1; a class never predicted nor
+  present scores 0, as in scikit-learn with zero_division=0)."""
+  predictions, labels = np.asarray(predictions), np.asarray(labels)
+  f1s = []
+  for c in range(num_classes):
+    true_positive = np.sum((predictions == c) & (labels == c))
+    predicted, actual = np.sum(predictions == c), np.sum(labels == c)
+    denominator = predicted + actual
+    f1s.append(2.0 * true_positive / denominator if denominator else 0.0)
+  return {"accuracy": float(np.mean(predictions == labels)) if len(labels) else 0.0,
+          "macro_f1": float(np.mean(f1s))}

@@ -316,14 +316,19 @@ class DecoderOnly(nn.Module):
 
   def __call__(self, tokens: Array, positions: Array | None = None,
                segmentation: Array | None = None, *, deterministic: bool = False,
-               decode: bool = False) -> Array:
+               decode: bool = False, cache_mask: Array | None = None,
+               decode_offset: Array | None = None) -> Array:
+    """Logits [b, len, vocab]. Decoding a batch of right-padded prompts: `cache_mask`
+    [b, 1, 1, cache_len] hides the prompts' padding slots, `decode_offset` [b] keeps each
+    row's positions as in training (see layers.PositionEmbedding)."""
     c = self.config
     if decode:
-      inputs, mask = tokens, None
+      inputs, mask = tokens, cache_mask
     else:
       inputs = shift_right(tokens, c.bos_id, segmentation)
       mask = self_attention_mask(tokens, segmentation, causal=True)
-    y = self.positions(self.embedding(inputs), positions, decode=decode)
+    y = self.positions(self.embedding(inputs), positions, decode=decode,
+                       decode_offset=decode_offset)
     y = self.dropout(y, deterministic=deterministic)
     y = self.decoder(y, None, mask, None, deterministic=deterministic, decode=decode)
     if c.tie_output:

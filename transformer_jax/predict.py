@@ -1,9 +1,9 @@
-"""Inference: turn source texts into translations with a trained model.
+"""Inference: turn source texts into outputs (translations, summaries, labels).
 
-`Translator.from_workdir(workdir)` loads the config, tokenizer and latest (or a given, or the
-average of the last N) checkpoint saved by training and translates lists of strings, batched by
-length, with the generation settings of `config.decoding` (greedy, sampling or beam search).
-Evaluation reuses `decode_fn` for its BLEU.
+`Predictor.from_workdir(workdir)` loads the config, tokenizer and latest (or a given, or the
+average of the last N) checkpoint saved by training and maps lists of strings to outputs,
+batched by length, with the generation settings of `config.decoding` (greedy, sampling or beam
+search). Evaluation reuses `decode_fn` and `generate_ids` for its BLEU / ROUGE / accuracy.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import os
 from typing import Iterable, Iterator, Sequence
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -20,9 +21,11 @@ import numpy as np
 from absl import logging
 
 from transformer_jax import checkpoints
+from transformer_jax import default_config
 from transformer_jax import decoding
 from transformer_jax import models
 from transformer_jax import parallel
+from transformer_jax import tasks
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax.data import pipeline
 
@@ -44,28 +47,45 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
         f"{path} not found: {workdir} is not a training workdir. Train first with "
         "python -m transformer_jax.main --config configs/demo.py --workdir DIR.")
   with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+    saved = json.load(f)
+  # Keys added to the project after this workdir was trained keep their defaults.
+  return ml_collections.ConfigDict(_merged(default_config.get_config().to_dict(), saved))
 
 
-def init_cache(model: models.EncoderDecoder, batch_size: int, source_len: int,
-               max_decode_len: int):
-  """Zeroed decoder KV cache for `batch_size` rows, shaped without running the model."""
-  shapes = jax.eval_shape(
-      lambda: model.init(jax.random.PRNGKey(0), jnp.ones((batch_size, source_len), jnp.int32),
-                         jnp.ones((batch_size, max_decode_len), jnp.int32),
-                         deterministic=True, decode=True)["cache"])
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+def _merged(defaults: dict, saved: dict) -> dict:
+  merged = dict(defaults)
+  for key, value in saved.items():
+    if isinstance(value, dict) and isinstance(merged.get(key), dict):
+      value = _merged(merged[key], value)
+    merged[key] = value
+  return merged
+
+
+def init_cache(model: nn.Module, batch_size: int, source_len: int, cache_len: int):
+  """Zeroed decoder KV cache for `batch_size` rows and `cache_len` positions, shaped without
+  running the model (`source_len` is the encoder input length; unused by decoder-only)."""
+  if isinstance(model, models.DecoderOnly):
+    init = lambda: model.init(jax.random.PRNGKey(0), jnp.ones((batch_size, cache_len), jnp.int32),
+                              deterministic=True, decode=True)
+  else:
+    init = lambda: model.init(jax.random.PRNGKey(0), jnp.ones((batch_size, source_len), jnp.int32),
+                              jnp.ones((batch_size, cache_len), jnp.int32), deterministic=True,
+                              decode=True)
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(init)["cache"])
 
 
 def max_decode_len(decoding_config: ml_collections.ConfigDict,
-                   model_config: models.TransformerConfig, source_len: int) -> int:
-  """Longest output: `decoding.max_decode_len`, or (when 0) source length + 50; never more
-  than the model's position range."""
+                   model_config: models.TransformerConfig, source_len: int,
+                   prompt_len: int = 0) -> int:
+  """Longest output: `decoding.max_decode_len`, or (when 0) source length + 50; never past
+  the model's position range (which a prefix LM's prompt of `prompt_len` shares)."""
   length = decoding_config.max_decode_len or source_len + 50
-  if decoding_config.max_decode_len > model_config.max_len:
-    raise ValueError(f"config.decoding.max_decode_len={length} exceeds config.model.max_len="
-                     f"{model_config.max_len}; lower it.")
-  return min(length, model_config.max_len)
+  room = model_config.max_len - prompt_len
+  if decoding_config.max_decode_len > room:
+    raise ValueError(f"config.decoding.max_decode_len={length} does not fit config.model."
+                     f"max_len={model_config.max_len} (after a {prompt_len}-token prompt); "
+                     "lower it or raise max_len.")
+  return min(length, room)
 
 
 def cached_tokens_to_logits(model: models.EncoderDecoder, params, encoded, source):
@@ -80,51 +100,90 @@ def cached_tokens_to_logits(model: models.EncoderDecoder, params, encoded, sourc
   return tokens_to_logits
 
 
-def _generate(params, inputs, rng, *, model: models.EncoderDecoder,
+def _prefix_lm_start(model: models.DecoderOnly, params, prompts, max_len: int, rows: int):
+  """Fills the KV cache with right-padded prompts `SOURCE <eos>` [b, P]; returns the cache and
+  a decoding callback for `rows` (= b, or b * beam) rows.
+
+  The cache holds `<bos> SOURCE` (the training input up to the EOS), so decoding starts by
+  feeding EOS, whose logits predict the first target token, exactly as in training. Padding
+  slots are masked out and each row's positions continue from its own prompt length.
+  """
+  batch_size, prompt_len = prompts.shape
+  filled = models.shift_right(prompts, model.config.bos_id)  # [b, P]: <bos> SOURCE, 0...
+  cache_mask = jnp.concatenate([filled != 0, jnp.ones((batch_size, max_len), bool)], axis=1)
+  cache_mask = cache_mask[:, None, None, :]  # [b, 1, 1, P + max_len]
+  offset = prompt_len - jnp.sum(filled != 0, axis=1)  # [b]: padding slots before decoding
+  cache = init_cache(model, batch_size, prompt_len, prompt_len + max_len)
+  _, variables = model.apply({"params": params, "cache": cache}, filled, deterministic=True,
+                             decode=True, cache_mask=cache_mask, mutable=["cache"])
+  if rows != batch_size:  # beam search: the callback sees [batch * beam] rows
+    cache_mask = decoding.flat_batch_beam_expand(cache_mask, rows // batch_size)
+    offset = decoding.flat_batch_beam_expand(offset, rows // batch_size)
+
+  def tokens_to_logits(ids, cache):
+    logits, new = model.apply({"params": params, "cache": cache}, ids, deterministic=True,
+                              decode=True, cache_mask=cache_mask, decode_offset=offset,
+                              mutable=["cache"])
+    return logits[:, -1], new["cache"]
+
+  return variables["cache"], tokens_to_logits
+
+
+def _generate(params, inputs, rng, *, model: nn.Module,
               decoding_config: ml_collections.ConfigDict, max_len: int):
   """[b, src_len] source tokens -> [b, max_len] output tokens, with the KV cache."""
   d = decoding_config
   beam = d.method == "beam"
-  encoded = model.apply({"params": params}, inputs, deterministic=True, method=model.encode)
-  if beam:  # the callback sees [batch * beam] rows
-    encoded = decoding.flat_batch_beam_expand(encoded, d.beam_size)
-    source = decoding.flat_batch_beam_expand(inputs, d.beam_size)
-  else:
-    source = inputs
-
-  tokens_to_logits = cached_tokens_to_logits(model, params, encoded, source)
   batch_size = inputs.shape[0]
-  cache = init_cache(model, batch_size, inputs.shape[1], max_len)
-  common = dict(eos_id=tokenizer_lib.EOS_ID, max_decode_len=max_len)
-  bos = model.config.bos_id
+  rows = batch_size * d.beam_size if beam else batch_size
+  if isinstance(model, models.DecoderOnly):
+    cache, tokens_to_logits = _prefix_lm_start(model, params, inputs, max_len, rows)
+    start = tokenizer_lib.EOS_ID
+  else:
+    encoded = model.apply({"params": params}, inputs, deterministic=True, method=model.encode)
+    source = inputs
+    if beam:  # the callback sees [batch * beam] rows
+      encoded = decoding.flat_batch_beam_expand(encoded, d.beam_size)
+      source = decoding.flat_batch_beam_expand(inputs, d.beam_size)
+    tokens_to_logits = cached_tokens_to_logits(model, params, encoded, source)
+    cache = init_cache(model, batch_size, inputs.shape[1], max_len)
+    start = model.config.bos_id
+  common = dict(eos_id=tokenizer_lib.EOS_ID, max_decode_len=max_len, bos_id=start)
   if beam:
     sequences, _ = decoding.beam_search(inputs, cache, tokens_to_logits, beam_size=d.beam_size,
-                                        alpha=d.alpha, bos_id=bos, **common)
+                                        alpha=d.alpha, **common)
     return sequences[:, 0]
   if d.method == "greedy":
-    return decoding.greedy_search(cache, tokens_to_logits, batch_size=batch_size, bos_id=bos,
-                                  **common)
+    return decoding.greedy_search(cache, tokens_to_logits, batch_size=batch_size, **common)
   if d.method == "sample":
-    return decoding.sample(cache, tokens_to_logits, rng, batch_size=batch_size, bos_id=bos,
+    return decoding.sample(cache, tokens_to_logits, rng, batch_size=batch_size,
                            temperature=d.temperature, top_k=d.top_k, top_p=d.top_p, **common)
   raise ValueError(f"Unknown config.decoding.method={d.method!r}; use 'greedy', 'beam' or "
                    "'sample'.")
 
 
-def decode_fn(model: models.EncoderDecoder, decoding_config: ml_collections.ConfigDict):
-  """pmapped (replicated params, sharded inputs, replicated rng) -> sharded output tokens.
+def _classify(params, inputs, rng, *, model: models.EncoderClassifier):
+  del rng
+  logits = model.apply({"params": params}, inputs, deterministic=True)
+  return jnp.argmax(logits, axis=-1)[:, None]  # [b, 1]: the class id
 
-  One compilation per source length; the output length follows `max_decode_len`.
-  """
+
+def decode_fn(model: nn.Module, decoding_config: ml_collections.ConfigDict):
+  """pmapped (replicated params, sharded inputs, replicated rng) -> sharded output tokens
+  ([.., 1] class ids for a classifier). One compilation per source length."""
   compiled: dict[int, object] = {}  # by source length
 
   def run(replicated_params, sharded_inputs, rng):
     source_len = sharded_inputs.shape[-1]
     if source_len not in compiled:
-      max_len = max_decode_len(decoding_config, model.config, source_len)
-      compiled[source_len] = jax.pmap(
-          functools.partial(_generate, model=model, decoding_config=decoding_config,
-                            max_len=max_len), axis_name=parallel.AXIS, in_axes=(0, 0, None))
+      if isinstance(model, models.EncoderClassifier):
+        fn = functools.partial(_classify, model=model)
+      else:
+        prompt_len = source_len if isinstance(model, models.DecoderOnly) else 0
+        max_len = max_decode_len(decoding_config, model.config, source_len, prompt_len)
+        fn = functools.partial(_generate, model=model, decoding_config=decoding_config,
+                               max_len=max_len)
+      compiled[source_len] = jax.pmap(fn, axis_name=parallel.AXIS, in_axes=(0, 0, None))
     return compiled[source_len](replicated_params, sharded_inputs, rng)
 
   return run
@@ -143,13 +202,29 @@ def translate_ids(p_decode, replicated_params, sources: np.ndarray, batch_size: 
   return outputs
 
 
-def restore_params(workdir: str, model: models.EncoderDecoder, step: int | None = None,
+def generate_ids(p_decode, replicated_params, prompts: Sequence[np.ndarray], max_len: int,
+                 batch_size: int, seed: int = 0) -> list[np.ndarray]:
+  """Outputs for token sequences of any length (EOS included), in order: grouped into
+  length buckets so short ones are not padded to the longest."""
+  buckets: dict[int, list[int]] = {}
+  for i, ids in enumerate(prompts):
+    buckets.setdefault(_bucket_length(len(ids), max_len), []).append(i)
+  outputs: list[np.ndarray] = [np.zeros(0, np.int32)] * len(prompts)
+  for length, indices in sorted(buckets.items()):
+    sources = np.zeros((len(indices), length), np.int32)
+    for row, i in enumerate(indices):
+      sources[row, :len(prompts[i])] = prompts[i]
+    tokens = translate_ids(p_decode, replicated_params, sources, batch_size, seed)
+    for i, row in zip(indices, tokens):
+      outputs[i] = row
+  return outputs
+
+
+def restore_params(workdir: str, model: nn.Module, step: int | None = None,
                    average_last: int = 1):
   """Parameters at `step` (default latest), or the mean of the last `average_last` checkpoints
   up to it (the paper averages the last 5 or 20). Returns (params, step)."""
-  abstract = jax.eval_shape(
-      lambda: model.init(jax.random.PRNGKey(0), jnp.ones((1, 1), jnp.int32),
-                         jnp.ones((1, 1), jnp.int32), deterministic=True)["params"])
+  abstract = jax.eval_shape(lambda: tasks.init_params(model, jax.random.PRNGKey(0)))
   manager = checkpoints.manager(workdir, read_only=True)
   params, _, step = checkpoints.restore(manager, abstract, step=step)
   if average_last <= 1:
@@ -174,35 +249,47 @@ def _bucket_length(num_tokens: int, max_len: int) -> int:
   return min(length, max_len)
 
 
-class Translator:
-  """A trained model, its tokenizer and compiled decoding, ready to translate strings."""
+class Predictor:
+  """A trained model, its tokenizer and compiled generation, ready to turn texts into outputs:
+  translations, summaries, or label names."""
 
   def __init__(self, config: ml_collections.ConfigDict, tokenizer: tokenizer_lib.Tokenizer,
                params, step: int | None = None):
     self.config = config
     self.tokenizer = tokenizer
     self.step = step
-    self.model = models.EncoderDecoder(models.model_config(config.model))
+    self.model = tasks.make_model(config)
     self.batch_size = config.per_device_batch_size * jax.local_device_count()
-    self.params = params
-    self.replicated_params = parallel.replicate(params)
+    self.params = params  # None: set replicated_params before use (training's evaluator)
+    self.replicated_params = None if params is None else parallel.replicate(params)
     self._decode = decode_fn(self.model, config.decoding)
 
   @classmethod
   def from_workdir(cls, workdir: str, step: int | None = None,
-                   average_last: int = 1) -> "Translator":
+                   average_last: int = 1) -> "Predictor":
     """Loads the workdir's config, tokenizer and checkpoint (latest unless `step`)."""
     config = load_config(workdir)
     tokenizer = tokenizer_lib.Tokenizer.load(os.path.join(workdir, TOKENIZER_FILE))
-    model = models.EncoderDecoder(models.model_config(config.model))
-    params, step = restore_params(workdir, model, step, average_last)
+    params, step = restore_params(workdir, tasks.make_model(config), step, average_last)
     return cls(config, tokenizer, params, step)
 
-  def translate(self, texts: Sequence[str]) -> list[str]:
-    """One translation per text, in order; empty texts give empty outputs.
+  def output_ids(self, prompts: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Generated tokens (or [class id]) for encoded sources, EOS included, in order."""
+    return generate_ids(self._decode, self.replicated_params, prompts,
+                        self.config.max_source_length, self.batch_size, self.config.decoding.seed)
 
-    Texts are grouped by token length so short ones are not padded to the longest; texts
-    longer than `config.max_source_length` tokens are truncated, with one warning per call.
+  def output_text(self, ids: np.ndarray) -> str:
+    if isinstance(self.model, models.EncoderClassifier):
+      names = self.config.label_names
+      label = int(ids[0])
+      return names[label] if label < len(names) else str(label)
+    return self.tokenizer.decode(ids)
+
+  def predict(self, texts: Sequence[str]) -> list[str]:
+    """One output per text, in order; empty texts give empty outputs.
+
+    Texts longer than `config.max_source_length` tokens are truncated, with one warning per
+    call.
     """
     max_len = self.config.max_source_length
     token_ids = {i: self.tokenizer.encode(t) for i, t in enumerate(texts) if t.strip()}
@@ -210,25 +297,26 @@ class Translator:
     if too_long:
       logging.warning("%d input(s) longer than max_source_length=%d tokens were truncated.",
                       too_long, max_len)
-    buckets: dict[int, list[int]] = {}
-    for i, ids in token_ids.items():
-      buckets.setdefault(_bucket_length(len(ids) + 1, max_len), []).append(i)
+    prompts = [pipeline.with_eos(ids, max_len) for ids in token_ids.values()]
     outputs = [""] * len(texts)
-    for length, indices in sorted(buckets.items()):
-      sources, _ = pipeline.pad_with_eos([token_ids[i] for i in indices], length)
-      tokens = translate_ids(self._decode, self.replicated_params, sources, self.batch_size,
-                             self.config.decoding.seed)
-      for i, row in zip(indices, tokens):
-        outputs[i] = self.tokenizer.decode(row)
+    for i, ids in zip(token_ids, self.output_ids(prompts)):
+      outputs[i] = self.output_text(ids)
     return outputs
 
-  def translate_lines(self, lines: Iterable[str], chunk_size: int = 1024) -> Iterator[str]:
-    """Streams translations of `lines`, `chunk_size` at a time, never holding the whole input."""
+  def predict_lines(self, lines: Iterable[str], chunk_size: int = 1024) -> Iterator[str]:
+    """Streams outputs for `lines`, `chunk_size` at a time, never holding the whole input."""
     chunk = []
     for line in lines:
       chunk.append(line.rstrip("\n"))
       if len(chunk) == chunk_size:
-        yield from self.translate(chunk)
+        yield from self.predict(chunk)
         chunk = []
     if chunk:
-      yield from self.translate(chunk)
+      yield from self.predict(chunk)
+
+  # Translation names, kept for existing callers.
+  translate = predict
+  translate_lines = predict_lines
+
+
+Translator = Predictor

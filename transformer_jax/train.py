@@ -5,7 +5,9 @@ from __future__ import annotations
 import functools
 import os
 import time
+from typing import Sequence
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -18,9 +20,9 @@ from flax.training import train_state
 from transformer_jax import checkpoints
 from transformer_jax import evaluation
 from transformer_jax import metrics
-from transformer_jax import models
 from transformer_jax import parallel
 from transformer_jax import predict
+from transformer_jax import tasks
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax.data import pipeline
 from transformer_jax.data import sources
@@ -53,30 +55,51 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
   return adam
 
 
+def load_tokenizer(config: ml_collections.ConfigDict, workdir: str,
+                   train_examples: Sequence[dict]) -> tokenizer_lib.Tokenizer:
+  """The workdir's tokenizer; on first use copied from `config.tokenizer.path`, or trained on
+  a seeded sample of the training split's texts."""
+  path = os.path.join(workdir, predict.TOKENIZER_FILE)
+  if os.path.exists(path):
+    return tokenizer_lib.Tokenizer.load(path)
+  t = config.tokenizer
+  if t.path:
+    tokenizer = tokenizer_lib.Tokenizer.load(t.path)
+  else:
+    texts = list(tasks.training_texts(config, train_examples))
+    if len(texts) > t.num_sentences:
+      keep = np.random.default_rng(config.seed).choice(len(texts), t.num_sentences, replace=False)
+      texts = [texts[i] for i in sorted(keep)]
+    logging.info("Training a %d-piece SentencePiece %s tokenizer on %d training texts.",
+                 config.model.vocab_size, t.model_type, len(texts))
+    tokenizer = tokenizer_lib.train_tokenizer(
+        texts, config.model.vocab_size, model_type=t.model_type,
+        character_coverage=t.character_coverage, byte_fallback=t.byte_fallback)
+  tokenizer.save(path)
+  return tokenizer
+
+
 def prepare_data(config: ml_collections.ConfigDict, workdir: str, splits=sources.SPLITS):
-  """Text pairs of `splits`, the workdir's tokenizer (trained on first use), token arrays."""
-  pairs = sources.load_pairs(config)
-  tokenizer_path = os.path.join(workdir, predict.TOKENIZER_FILE)
-  if not os.path.exists(tokenizer_path):
-    logging.info("Training a %d-piece SentencePiece tokenizer on the training split.",
-                 config.model.vocab_size)
-  tokenizer = tokenizer_lib.load_or_train(
-      tokenizer_path, (text for pair in pairs["train"] for text in pair),
-      config.model.vocab_size, model_type=config.tokenizer.model_type,
-      character_coverage=config.tokenizer.character_coverage,
-      byte_fallback=config.tokenizer.byte_fallback)
+  """Examples of `splits`, the workdir's tokenizer (made on first use), token features."""
+  if config.overlong not in ("truncate", "drop"):
+    raise ValueError(f"config.overlong={config.overlong!r}: use 'truncate' or 'drop'.")
+  examples = sources.load_examples(config, sorted(set(splits) | {"train"}))
+  tokenizer = load_tokenizer(config, workdir, examples["train"])
   encoded = {}
   for split in splits:
-    encoded[split] = pipeline.encode_pairs(pairs[split], tokenizer, config.max_source_length,
-                                           config.max_target_length)
-    if encoded[split].num_truncated:
-      logging.warning("%s: %d texts truncated to max_source_length=%d / max_target_length=%d.",
-                      split, encoded[split].num_truncated, config.max_source_length,
-                      config.max_target_length)
-  return pairs, tokenizer, encoded
+    # Only training may drop examples: an evaluation must score every reference.
+    drop = split == "train" and config.overlong == "drop"
+    encoded[split], overlong = tasks.encode_examples(examples[split], tokenizer, config,
+                                                     drop_overlong=drop)
+    if overlong:
+      logging.warning("%s: %d of %d examples longer than max_source_length=%d / "
+                      "max_target_length=%d tokens were %s.", split, overlong,
+                      len(examples[split]), config.max_source_length, config.max_target_length,
+                      "dropped" if drop else "truncated")
+  return examples, tokenizer, encoded
 
 
-def train_step(state: train_state.TrainState, batch, rng, *, model: models.EncoderDecoder,
+def train_step(state: train_state.TrainState, batch, rng, *, model: nn.Module,
                label_smoothing: float, grad_accum_steps: int = 1):
   """One update on the global batch; runs under pmap, reduces over all devices.
 
@@ -87,43 +110,41 @@ def train_step(state: train_state.TrainState, batch, rng, *, model: models.Encod
   # Different dropout on every step and device, reproducible from (rng, step, device).
   step_rng = jax.random.fold_in(jax.random.fold_in(rng, state.step),
                                 jax.lax.axis_index(parallel.AXIS))
-  weights = (batch["targets"] > 0).astype(jnp.float32)
   # Dividing by the global token count makes the summed gradients an exact token mean.
-  denominator = jax.lax.psum(jnp.sum(weights), parallel.AXIS)
+  denominator = jax.lax.psum(jnp.sum(tasks.labels_and_weights(batch)[1]), parallel.AXIS)
 
-  def micro_step(inputs, targets, dropout_rng):
+  def micro_step(micro_batch, dropout_rng):
+    labels, weights = tasks.labels_and_weights(micro_batch)
+
     def loss_fn(params):
-      logits = model.apply({"params": params}, inputs, targets, deterministic=False,
-                           rngs={"dropout": dropout_rng})
-      loss, unsmoothed = metrics.smoothed_cross_entropy(logits, targets, label_smoothing,
+      logits = tasks.forward(model, params, micro_batch, deterministic=False,
+                             rngs={"dropout": dropout_rng})
+      loss, unsmoothed = metrics.smoothed_cross_entropy(logits, labels, label_smoothing,
                                                         also_unsmoothed=True)
-      token_weights = (targets > 0).astype(jnp.float32)
-      return jnp.sum(loss * token_weights) / denominator, (logits, unsmoothed, token_weights)
+      return jnp.sum(loss * weights) / denominator, (logits, unsmoothed)
 
-    (_, (logits, unsmoothed, token_weights)), grads = jax.value_and_grad(
-        loss_fn, has_aux=True)(state.params)
-    return grads, metrics.token_metrics(logits, targets, token_weights, unsmoothed)
+    (_, (logits, unsmoothed)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return grads, metrics.token_metrics(logits, labels, weights, unsmoothed)
 
   if grad_accum_steps == 1:
-    grads, sums = micro_step(batch["inputs"], batch["targets"], step_rng)
+    grads, sums = micro_step(batch, step_rng)
   else:
-    split = lambda x: x.reshape((grad_accum_steps, -1) + x.shape[1:])
-    micro_batches = (split(batch["inputs"]), split(batch["targets"]),
-                     jax.random.split(step_rng, grad_accum_steps))
+    micro_batches = (jax.tree.map(lambda x: x.reshape((grad_accum_steps, -1) + x.shape[1:]),
+                                  batch), jax.random.split(step_rng, grad_accum_steps))
 
     def accumulate(totals, micro_batch):
       grads, sums = micro_step(*micro_batch)
       return jax.tree.map(jnp.add, totals, (grads, sums)), None
 
-    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: micro_step(
-        micro_batches[0][0], micro_batches[1][0], micro_batches[2][0])))
+    first = jax.tree.map(lambda x: x[0], micro_batches)
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: micro_step(*first)))
     (grads, sums), _ = jax.lax.scan(accumulate, zeros, micro_batches)
   grads = jax.lax.psum(grads, parallel.AXIS)
   new_state = state.apply_gradients(grads=grads)
   return new_state, jax.lax.psum(sums, parallel.AXIS)
 
 
-def compile_train_step(config: ml_collections.ConfigDict, model: models.EncoderDecoder):
+def compile_train_step(config: ml_collections.ConfigDict, model: nn.Module):
   """`train_step` under pmap for this config, the state donated (updated in place)."""
   return jax.pmap(
       functools.partial(train_step, model=model, label_smoothing=config.label_smoothing,
@@ -131,12 +152,10 @@ def compile_train_step(config: ml_collections.ConfigDict, model: models.EncoderD
       axis_name=parallel.AXIS, donate_argnums=(0,))
 
 
-def create_state(config: ml_collections.ConfigDict, model: models.EncoderDecoder,
+def create_state(config: ml_collections.ConfigDict, model: nn.Module,
                  rng) -> train_state.TrainState:
-  shape = (1, config.max_source_length), (1, config.max_target_length)
-  params = model.init(rng, jnp.ones(shape[0], jnp.int32), jnp.ones(shape[1], jnp.int32),
-                      deterministic=True)["params"]
-  return train_state.TrainState.create(apply_fn=model.apply, params=params,
+  return train_state.TrainState.create(apply_fn=model.apply,
+                                       params=tasks.init_params(model, rng),
                                        tx=make_optimizer(config))
 
 
@@ -152,59 +171,65 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                        config.grad_accum_steps)
 
   # ---- Data -----------------------------------------------------------------------------
-  pairs, tokenizer, encoded = prepare_data(config, workdir, ("train", config.eval_split))
-  train_batches = pipeline.TrainBatches(encoded["train"], global_batch_size, config.seed,
-                                        jax.process_index(), jax.process_count())
-  eval_data, eval_refs = encoded[config.eval_split], [t for _, t in pairs[config.eval_split]]
-  logging.info("Data: %d train / %d %s pairs; vocabulary %d; global batch %d on %d devices.",
+  examples, tokenizer, encoded = prepare_data(config, workdir, ("train", config.eval_split))
+  train_batches = pipeline.TrainBatches(
+      encoded["train"], global_batch_size, config.seed,
+      pack=config.pack_examples and tasks.family(config) != "encoder_classifier",
+      process_index=jax.process_index(), process_count=jax.process_count())
+  eval_data, eval_examples = encoded[config.eval_split], examples[config.eval_split]
+  logging.info("Data: %d train / %d %s examples; vocabulary %d; global batch %d on %d devices.",
                len(encoded["train"]), len(eval_data), config.eval_split, tokenizer.vocab_size,
                global_batch_size, jax.device_count())
 
   # ---- Model and optimizer --------------------------------------------------------------
-  model_config = models.model_config(config.model)
-  if tokenizer.vocab_size > model_config.vocab_size:
+  model = tasks.make_model(config)
+  if tokenizer.vocab_size > model.config.vocab_size:
     raise ValueError(f"The tokenizer has {tokenizer.vocab_size} pieces but config.model."
-                     f"vocab_size={model_config.vocab_size}; raise config.model.vocab_size.")
-  model = models.EncoderDecoder(model_config)
+                     f"vocab_size={model.config.vocab_size}; raise config.model.vocab_size.")
   rng = jax.random.PRNGKey(config.seed)
   init_rng, dropout_rng = jax.random.split(rng)
   state = jax.jit(functools.partial(create_state, config, model))(init_rng)
   num_params = sum(x.size for x in jax.tree.leaves(state.params))
-  logging.info("Model: %s parameters.", f"{num_params:,}")
+  logging.info("Model: %s %s parameters.", f"{num_params:,}", type(model).__name__)
 
   # ---- Restore --------------------------------------------------------------------------
   manager = checkpoints.manager(workdir, config.keep_checkpoints)
   if manager.latest_step() is not None:
-    params, opt_state, step = checkpoints.restore(manager, state.params, state.opt_state)
+    params, opt_state, step, data_state = checkpoints.restore(
+        manager, state.params, state.opt_state, with_data_state=True)
     state = state.replace(step=step, params=params, opt_state=opt_state)
-    logging.info("Resumed from checkpoint at step %d", step)
+    train_batches.restore(data_state)
+    logging.info("Resumed from checkpoint at step %d (data: epoch %d, row %d).", step,
+                 data_state["epoch"], data_state["row"])
   predict.save_config(workdir, config)  # after a successful restore: a mismatch keeps the old
   start_step = int(state.step)
 
   # ---- Compiled steps -------------------------------------------------------------------
   p_train_step = compile_train_step(config, model)
-  evaluator = evaluation.Evaluator(model, tokenizer, config.per_device_batch_size * num_devices,
-                                   config.decoding)
+  evaluator = evaluation.Evaluator(config, predict.Predictor(config, tokenizer, None))
   state = parallel.replicate(state)
   dropout_rngs = parallel.replicate(dropout_rng)
 
   def run_eval(step: int) -> dict:
-    result = evaluator.evaluate(state.params, eval_data, eval_refs, config.num_bleu_examples)
+    result, samples = evaluator.evaluate(state.params, eval_data, eval_examples,
+                                         config.num_generate_examples)
     writer.write_scalars(step, {f"eval_{k}": v for k, v in result.items()})
+    if samples:
+      writer.write_texts(step, {"eval_samples": "\n\n---\n\n".join(samples)})
     logging.info("step %d eval: %s", step,
                  ", ".join(f"{k} {v:.4f}" for k, v in sorted(result.items())))
     return result
 
   def save(step: int):
     host_state = parallel.unreplicate(state)
-    checkpoints.save(manager, step, host_state.params, host_state.opt_state)
+    checkpoints.save(manager, step, host_state.params, host_state.opt_state,
+                     train_batches.state)
 
   # ---- Training loop --------------------------------------------------------------------
   result = {}
   sums, last_log_time, last_log_step = None, time.time(), start_step
-  batches = train_batches.iterate(start_step)
   for step in range(start_step, config.num_train_steps):
-    batch = parallel.shard(next(batches))
+    batch = parallel.shard(next(train_batches))
     state, step_sums = p_train_step(state, batch, dropout_rngs)
     # Accumulated on device: the host only waits at log time.
     sums = step_sums if sums is None else jax.tree.map(jnp.add, sums, step_sums)

@@ -1,0 +1,38 @@
+"""DialogSum: dialogue -> summary with an encoder-decoder, ROUGE on the test split.
+
+  python -m transformer_jax.main --config configs/dialogsum.py --workdir runs/dialogsum \
+      --config.data_dir=../shared/data/dialogsum
+  python -m transformer_jax.main --workdir runs/dialogsum --mode evaluate
+
+12,460 training dialogues (cut to 256 tokens), summaries of up to 64 tokens, a joint
+8,000-piece BPE, a 3+3-layer pre-LN Transformer (d 256). Decoding: beam 4. The README's
+results table has the time and ROUGE measured on its 2-core CPU.
+"""
+
+from transformer_jax import default_config
+
+
+def get_config():
+  config = default_config.get_config()
+  config.task = "summarization"
+  config.architecture = "encoder_decoder"
+  config.dataset = "local"
+  config.data_dir = ""  # --config.data_dir=../shared/data/dialogsum
+  # The test split has three human summaries (summary1..3); the first is the reference.
+  config.local.update(format="jsonl", source_field="dialogue", target_field="summary|summary1")
+  config.splits.update(train="train", validation="dev", test="test")
+  config.model.vocab_size = 8000
+  config.max_source_length = 256
+  config.max_target_length = 64
+  config.num_train_steps = 3_000
+  config.per_device_batch_size = 16
+  config.learning_rate = 1e-3
+  config.warmup_steps = 500
+  config.log_every_steps = 50
+  config.eval_every_steps = 1_000
+  config.checkpoint_every_steps = 500
+  config.num_generate_examples = 200
+  config.decoding.update(method="beam", beam_size=4, alpha=0.6, max_decode_len=64)
+  config.model.update(emb_dim=256, num_heads=4, num_layers=3, qkv_dim=256, mlp_dim=1024,
+                      max_len=256, dropout_rate=0.1, pre_ln=True, share_embeddings=True)
+  return config

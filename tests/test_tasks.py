@@ -1,0 +1,163 @@
+"""The three task families end to end: packing leaves no trace, prefix-LM generation, the
+task metrics, and the shared-corpus configs training for a few steps."""
+
+import functools
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT
+from transformer_jax import commands
+from transformer_jax import default_config
+from transformer_jax import metrics
+from transformer_jax import models
+from transformer_jax import predict
+from transformer_jax import tasks
+from transformer_jax import train
+from transformer_jax.data import pipeline
+
+SHARED = os.path.join(ROOT, "..", "shared", "data")
+TINY = dict(vocab_size=64, emb_dim=16, num_heads=2, num_layers=1, qkv_dim=16, mlp_dim=32,
+            max_len=40, dropout_rate=0.0)
+
+
+def _random_sequences(rng, n, low, high, vocab):
+  return [np.asarray(list(rng.integers(4, vocab, rng.integers(low, high))) + [1], np.int32)
+          for _ in range(n)]
+
+
+@pytest.mark.parametrize("family", ["encoder_decoder", "decoder_only"])
+def test_packed_examples_score_as_if_alone(family):
+  """Every packed segment gets exactly the logits of its example run on its own: no attention
+  across segments, positions and the shifted input restart per segment."""
+  rng = np.random.default_rng(0)
+  config = models.TransformerConfig(**TINY)
+  if family == "encoder_decoder":
+    model = models.EncoderDecoder(config)
+    data = pipeline.Encoded({"inputs": _random_sequences(rng, 5, 2, 7, 64),
+                             "targets": _random_sequences(rng, 5, 2, 7, 64)},
+                            {"inputs": 24, "targets": 24})
+  else:
+    model = models.DecoderOnly(config)
+    data = pipeline.Encoded({"targets": _random_sequences(rng, 5, 2, 7, 64)}, {"targets": 24})
+  params = tasks.init_params(model, jax.random.PRNGKey(0))
+  packed = pipeline.pad_rows(data, [[0, 1, 2], [3, 4]], pack=True)
+  assert packed["targets_segmentation"].max() == 3  # several examples per row
+  packed_logits = tasks.forward(model, params, packed, deterministic=True)
+  alone = tasks.forward(model, params, pipeline.pad_rows(data, [[i] for i in range(5)], False),
+                        deterministic=True)
+  for row, examples in enumerate([[0, 1, 2], [3, 4]]):
+    for segment, i in enumerate(examples, start=1):
+      in_segment = packed["targets_segmentation"][row] == segment
+      np.testing.assert_allclose(packed_logits[row][in_segment],
+                                 alone[i][:in_segment.sum()], rtol=1e-5, atol=1e-5)
+
+
+def test_prefix_lm_generation_equals_recomputing_the_whole_sequence():
+  """Batched, right-padded prompts of different lengths through the KV cache give the same
+  greedy tokens as running the full model on `prompt + output so far` one row at a time."""
+  config = models.TransformerConfig(**TINY)
+  model = models.DecoderOnly(config)
+  params = tasks.init_params(model, jax.random.PRNGKey(3))
+  prompts = _random_sequences(np.random.default_rng(1), 3, 1, 9, 64)
+  padded = np.zeros((3, 10), np.int32)
+  for row, prompt in enumerate(prompts):
+    padded[row, :len(prompt)] = prompt
+  decoding = default_config.get_config().decoding
+  decoding.update(method="greedy")
+  generate = functools.partial(predict._generate, model=model, decoding_config=decoding,
+                               max_len=6)
+  outputs = np.asarray(jax.jit(generate)(params, jnp.asarray(padded), jax.random.PRNGKey(0)))
+  for prompt, output in zip(prompts, outputs):
+    tokens = list(prompt)  # SOURCE <eos>; each step appends the argmax after the last token
+    for _ in range(6):
+      logits = model.apply({"params": params}, jnp.asarray([tokens + [5]]), deterministic=True)
+      tokens.append(int(jnp.argmax(logits[0, len(tokens)])))
+    expected = np.asarray(tokens[len(prompt):])
+    eos = np.flatnonzero(expected == 1)
+    if eos.size:
+      expected[eos[0] + 1:] = 0
+    np.testing.assert_array_equal(output, expected)
+
+
+def test_rouge_and_macro_f1_literal_values():
+  scores = metrics.rouge(["the cat"], ["the cat sat"])
+  assert scores["rouge1"] == pytest.approx(80.0)  # P 1, R 2/3
+  assert scores["rouge2"] == pytest.approx(200 / 3)  # P 1, R 1/2
+  assert scores["rougeL"] == pytest.approx(80.0)
+  assert metrics.classification_scores([0, 0, 1, 1], [0, 1, 1, 1], 2) == pytest.approx(
+      {"accuracy": 0.75, "macro_f1": (2 / 3 + 4 / 5) / 2})
+  assert metrics.classification_scores([0, 0], [0, 0], 3)["macro_f1"] == pytest.approx(1 / 3)
+
+
+def _write_sentiment(folder):
+  os.makedirs(folder, exist_ok=True)
+  rng = np.random.default_rng(0)
+  words = {0: ["awful", "dull", "bad"], 1: ["great", "fun", "good"]}
+  for split, n in (("train", 400), ("dev", 40), ("test", 40)):
+    with open(os.path.join(folder, f"{split}.tsv"), "w") as f:
+      f.write("label\tsentence\n")
+      for _ in range(n):
+        label = int(rng.integers(2))
+        f.write(f"{label}\tthe film was {rng.choice(words[label])} and long\n")
+
+
+def test_classification_trains_evaluates_and_predicts_label_names(tmp_path):
+  _write_sentiment(str(tmp_path / "data"))
+  config = default_config.get_config()
+  config.update(task="classification", dataset="local", data_dir=str(tmp_path / "data"),
+                max_source_length=16, num_train_steps=60, per_device_batch_size=16,
+                learning_rate=3e-3, warmup_steps=10, label_smoothing=0.0, log_every_steps=20,
+                eval_every_steps=60, checkpoint_every_steps=60)
+  config.local.update(format="tsv")
+  config.splits.update(validation="dev")
+  config.model.update(TINY, max_len=16, num_classes=2)
+  result = train.train_and_evaluate(config, str(tmp_path / "run"))
+  assert set(result) >= {"loss", "accuracy", "macro_f1"}
+  assert result["accuracy"] == 1.0  # one word decides the label: learnt in 60 steps
+  evaluated = commands.run_evaluate(str(tmp_path / "run"))
+  assert evaluated["split"] == "test" and evaluated["accuracy"] == 1.0
+  predictor = predict.Predictor.from_workdir(str(tmp_path / "run"))
+  assert predictor.predict(["the film was great and long", "", "the film was dull"]) == [
+      "positive", "", "negative"]
+
+
+def _load_config(name):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs",
+                                                                   f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+@pytest.mark.parametrize("name,folder", [("multi30k", "multi30k"), ("sst2", "sst2"),
+                                         ("dialogsum", "dialogsum"),
+                                         ("dialogsum_decoder_only", "dialogsum")])
+def test_shared_corpus_configs_train_a_few_steps(tmp_path, name, folder):
+  if not os.path.isdir(os.path.join(SHARED, folder)):
+    pytest.skip(f"{SHARED}/{folder} is not here")
+  config = _load_config(name)
+  config.data_dir = os.path.join(SHARED, folder)
+  # The config's data, tokenizer and task; a smaller model, 2 steps, 8 generated outputs.
+  config.update(num_train_steps=2, eval_every_steps=2, checkpoint_every_steps=2,
+                log_every_steps=1, num_generate_examples=8, per_device_batch_size=8)
+  config.model.update(vocab_size=1000, emb_dim=16, num_heads=2, num_layers=1, qkv_dim=16,
+                      mlp_dim=32)
+  config.decoding.update(method="greedy", max_decode_len=8)
+  result = train.train_and_evaluate(config, str(tmp_path))
+  metric = {"multi30k": "bleu", "sst2": "macro_f1"}.get(name, "rougeL")
+  assert np.isfinite(result["loss"]) and metric in result
+
+
+def test_every_config_file_loads_and_builds_its_model():
+  for path in sorted(os.listdir(os.path.join(ROOT, "configs"))):
+    if path.endswith(".py"):
+      config = _load_config(path[:-3])
+      config.lock()
+      model = tasks.make_model(config)
+      shapes = jax.eval_shape(lambda m=model: tasks.init_params(m, jax.random.PRNGKey(0)))
+      assert jax.tree.leaves(shapes), path

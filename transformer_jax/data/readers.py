@@ -1,0 +1,134 @@
+"""Readers for a researcher's own corpora in a local folder (`config.data_dir`).
+
+Formats (`config.local.format`):
+  parallel     line-aligned files `{split}.{source_lang}` / `{split}.{target_lang}`, plain or .gz
+               (translation: Multi30k, IWSLT, Tatoeba layouts);
+  jsonl        `{split}.jsonl[.gz]`, one JSON object per line with source / target fields
+               (summarization: DialogSum);
+  tsv          `{split}.tsv[.gz]`, a text column and an integer label column (SST-2 / GLUE);
+  label_lines  `{split}/{text_file}` and `{split}/{label_file}`, line-aligned (UIT-VSFC);
+  label_files  one file of texts per label, no splits: a seeded 80/10/10 split is made here
+               (rt-polarity).
+Every reader returns a list of examples: {'source', 'target'} or {'source', 'label'} dicts.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+
+
+def find_file(data_dir: str, name: str) -> str:
+  """`data_dir/name`, or its `.gz`; a clear error naming both when neither exists."""
+  path = os.path.join(data_dir, name)
+  for candidate in (path, path + ".gz"):
+    if os.path.exists(candidate):
+      return candidate
+  raise FileNotFoundError(
+      f"Neither {path} nor {path}.gz exists. Point --config.data_dir at the dataset's folder "
+      f"(it holds {os.listdir(data_dir) if os.path.isdir(data_dir) else 'nothing: no such folder'})"
+      " or set the split's file name in config.splits.")
+
+
+def read_lines(path: str, encoding: str = "utf-8") -> list[str]:
+  """The file's lines without their line ends; gzip when the name ends in .gz."""
+  opener = gzip.open if path.endswith(".gz") else open
+  with opener(path, "rb") as f:
+    # Only \n ends a line: str.splitlines would also split on \x85 or \u2028 inside a sentence
+    # and silently misalign a parallel corpus.
+    text = f.read().decode(encoding, errors="replace")
+  lines = text.split("\n")
+  if lines and lines[-1] == "":
+    lines.pop()
+  return [line.rstrip("\r") for line in lines]
+
+
+def read_aligned(paths: Sequence[str], encoding: str = "utf-8") -> list[tuple[str, ...]]:
+  """Line i of every file, as tuples; files of different lengths are an error."""
+  columns = [read_lines(path, encoding) for path in paths]
+  counts = [len(column) for column in columns]
+  if len(set(counts)) > 1:
+    listing = ", ".join(f"{path}: {count} lines" for path, count in zip(paths, counts))
+    raise ValueError(f"Misaligned corpus: {listing}. Line i of each file must belong to the "
+                     "same example; fix or re-export the files so they have equal line counts.")
+  return list(zip(*columns))
+
+
+def read_parallel(data_dir: str, split_file: str, source_lang: str,
+                  target_lang: str) -> list[dict]:
+  paths = [find_file(data_dir, f"{split_file}.{lang}") for lang in (source_lang, target_lang)]
+  return [{"source": s, "target": t} for s, t in read_aligned(paths)]
+
+
+def _first_present(names: str, available) -> str | None:
+  """The first of the '|'-separated `names` that is in `available` (files differ between
+  splits: SST-2's dev header says 'content' where train says 'sentence')."""
+  return next((name for name in names.split("|") if name in available), None)
+
+
+def read_jsonl(data_dir: str, split_file: str, source_field: str, target_field: str) -> list[dict]:
+  """Fields may list alternatives, 'summary|summary1': the first present is used."""
+  path = find_file(data_dir, f"{split_file}.jsonl")
+  examples = []
+  for number, line in enumerate(read_lines(path), start=1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+      examples.append({"source": str(record[_first_present(source_field, record)]),
+                       "target": str(record[_first_present(target_field, record)])})
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+      raise ValueError(f"{path}, line {number}: not a JSON object with fields "
+                       f"{source_field!r} and {target_field!r} ({e!r}). Set config.local."
+                       "source_field / target_field to the file's field names.") from None
+  return examples
+
+
+def _label(value: str, where: str) -> int:
+  try:
+    return int(value.strip())
+  except ValueError:
+    raise ValueError(f"{where}: label {value!r} is not an integer class id.") from None
+
+
+def read_tsv(data_dir: str, split_file: str, text_column: str, label_column: str) -> list[dict]:
+  """A TSV file with a header row naming its columns (GLUE layout); column names may list
+  alternatives, 'sentence|content'."""
+  path = find_file(data_dir, f"{split_file}.tsv")
+  text = "\n".join(read_lines(path))
+  rows = csv.DictReader(io.StringIO(text), delimiter="\t", quoting=csv.QUOTE_NONE)
+  text_name = _first_present(text_column, rows.fieldnames or [])
+  label_name = _first_present(label_column, rows.fieldnames or [])
+  if text_name is None or label_name is None:
+    raise ValueError(f"{path}: header {rows.fieldnames} lacks the columns {text_column!r} and "
+                     f"{label_column!r}; set config.local.text_column / label_column.")
+  return [{"source": row[text_name], "label": _label(row[label_name], f"{path}:{i + 2}")}
+          for i, row in enumerate(rows)]
+
+
+def read_label_lines(data_dir: str, split_file: str, text_file: str,
+                     label_file: str) -> list[dict]:
+  paths = [find_file(os.path.join(data_dir, split_file), name) for name in (text_file, label_file)]
+  return [{"source": text, "label": _label(label, paths[1])}
+          for text, label in read_aligned(paths)]
+
+
+def read_label_files(data_dir: str, files: Sequence[str], encoding: str, seed: int
+                     ) -> dict[str, list[dict]]:
+  """Label i = the lines of files[i]; split 80/10/10 into train / validation / test by a
+  seeded permutation, so every run (and predict) sees the same held-out examples."""
+  examples = [{"source": line, "label": label}
+              for label, name in enumerate(files)
+              for line in read_lines(find_file(data_dir, name), encoding) if line.strip()]
+  order = np.random.default_rng(seed).permutation(len(examples))
+  n_test = n_validation = len(examples) // 10
+  pick = lambda indices: [examples[i] for i in indices]
+  return {"test": pick(order[:n_test]),
+          "validation": pick(order[n_test:n_test + n_validation]),
+          "train": pick(order[n_test + n_validation:])}

@@ -1,0 +1,135 @@
+"""Every config key with its default and what it means; experiment configs override a few.
+
+  from transformer_jax import default_config
+  def get_config():
+    config = default_config.get_config()
+    config.task = "classification"
+    ...
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  # ---- Task and data ----------------------------------------------------------------------
+  # 'translation' (BLEU), 'summarization' (ROUGE), 'classification' (accuracy, macro-F1) or
+  # 'multitask' (T5-style text-to-text mixture, each part scored by its own metric).
+  config.task = "translation"
+  # Sequence-to-sequence model family: 'encoder_decoder', or 'decoder_only' (a prefix LM on
+  # `SOURCE <eos> TARGET <eos>`, loss on the target only). Classification always uses the
+  # encoder with a pooling head.
+  config.architecture = "encoder_decoder"
+  # Where examples come from: 'demo' (generated grammar), 'local' (config.data_dir) or 'tfds'.
+  config.dataset = "demo"
+  # 'local': the dataset's folder, laid out as config.local.format describes.
+  config.data_dir = ""
+  # 'local': the files' format and fields (see transformer_jax/data/readers.py).
+  config.local = ml_collections.ConfigDict(dict(
+      format="parallel",  # parallel | jsonl | tsv | label_lines | label_files
+      source_lang="en", target_lang="de",  # parallel: file suffixes
+      source_field="source", target_field="target",  # jsonl: field names
+      text_column="sentence", label_column="label",  # tsv: header names
+      text_file="sents.txt", label_file="sentiments.txt",  # label_lines: file names per split
+      label_files=[],  # label_files: one file per class, class i = files[i]
+      encoding="utf-8",  # text encoding of the files (rt-polarity is latin-1)
+  ))
+  # 'tfds': dataset name and feature keys; `tfds_data_dir` (or $TFDS_DATA_DIR, e.g. a GCS
+  # bucket) holds the prepared data.
+  # eval_name: another dataset for validation / test (flax trains on wmt17, tests on wmt14).
+  config.tfds = ml_collections.ConfigDict(dict(
+      name="", eval_name="", source_key="", target_key="", label_key="label"))
+  config.tfds_data_dir = ""
+  # Our split -> the file stem (local) or split name (tfds) that holds it.
+  config.splits = ml_collections.ConfigDict(dict(
+      train="train", validation="validation", test="test"))
+  # 'demo': sizes and seed of the generated splits; cache_dir '' = ~/.cache/transformer_jax.
+  config.demo = ml_collections.ConfigDict(
+      dict(num_train=40_000, num_validation=1_000, num_test=1_000, seed=0, cache_dir=""))
+  # classification: class names, written by predict and used in the multitask text form.
+  config.label_names = ["negative", "positive"]
+  # multitask: the mixed parts by name, each a dict of: prefix (the text put before every
+  # source), task, data_dir (relative to config.data_dir), local, splits and label_names (as
+  # above), max_train_examples and max_eval_examples (-1 = all). See configs/multitask.py.
+  config.mixture = ml_collections.ConfigDict()
+
+  # SentencePiece: trained on a sample of the training split and saved in the workdir, or an
+  # existing .model file given by `path` (copied into the workdir).
+  config.tokenizer = ml_collections.ConfigDict(dict(
+      path="", model_type="bpe", character_coverage=1.0, byte_fallback=False,
+      num_sentences=1_000_000))
+  # Token lengths (EOS included). Longer texts are truncated ('truncate') or dropped from
+  # training ('drop'); the counts are logged.
+  config.max_source_length = 24
+  config.max_target_length = 28
+  config.overlong = "truncate"
+  # Pack several short examples into each training row (segment ids and positions keep them
+  # apart), so padding is not paid for. Evaluation and predict never pack.
+  config.pack_examples = False
+
+  # ---- Optimisation -----------------------------------------------------------------------
+  # Total optimizer steps.
+  config.num_train_steps = 1_000
+  # Examples (rows, when packing) per device per step; global batch = this x device count.
+  config.per_device_batch_size = 64
+  # Micro-batches per optimizer step (gradient accumulation): the update of a batch this many
+  # times larger, in the memory of one micro-batch.
+  config.grad_accum_steps = 1
+  # Peak learning rate, reached after warmup_steps, then decayed as 1/sqrt(step).
+  config.learning_rate = 2e-3
+  # Linear warmup steps.
+  config.warmup_steps = 200
+  # Label smoothing of the training loss (the paper's 0.1).
+  config.label_smoothing = 0.1
+  # AdamW weight decay; 0 = plain Adam as in the paper.
+  config.weight_decay = 0.0
+  # Clip gradients to this global norm; 0 = no clipping.
+  config.grad_clip_norm = 0.0
+  # Seed for initialisation, data order and dropout.
+  config.seed = 0
+
+  # ---- Logging, evaluation, checkpoints ---------------------------------------------------
+  # Train metrics are fetched from the devices (and logged) every this many steps.
+  config.log_every_steps = 100
+  # Evaluate on eval_split every this many steps, and at the end.
+  config.eval_every_steps = 250
+  # Split used for evaluation during training; --mode evaluate uses the test split.
+  config.eval_split = "validation"
+  # Examples generated (BLEU / ROUGE) at each evaluation; -1 = the whole split.
+  config.num_generate_examples = 500
+  # Output generation for BLEU / ROUGE, evaluate and predict.
+  config.decoding = ml_collections.ConfigDict(dict(
+      method="beam",  # 'greedy', 'beam' or 'sample'
+      beam_size=4,  # beam search: slots per example
+      alpha=0.6,  # beam search: GNMT length-penalty exponent
+      temperature=1.0,  # sampling: 0 = greedy
+      top_k=0,  # sampling: keep the k most likely tokens; 0 = all
+      top_p=1.0,  # sampling: keep the smallest set holding this probability
+      max_decode_len=0,  # longest output; 0 = source length + 50 (capped at model.max_len)
+      seed=0,  # sampling seed
+  ))
+  # Save a checkpoint every this many steps, and at the end.
+  config.checkpoint_every_steps = 250
+  # Keep the newest this many checkpoints.
+  config.keep_checkpoints = 3
+
+  # ---- Model ------------------------------------------------------------------------------
+  # Fields of transformer_jax.models.TransformerConfig (others keep their defaults there).
+  config.model = ml_collections.ConfigDict(dict(
+      vocab_size=512,  # also the tokenizer's size
+      emb_dim=128,
+      num_heads=4,
+      num_layers=3,
+      qkv_dim=128,
+      mlp_dim=512,
+      max_len=32,
+      dropout_rate=0.1,
+      attention_dropout_rate=0.0,
+      dtype="float32",
+      pre_ln=False,
+      position_embedding="sinusoidal",
+      attention_implementation="reference",  # or "xla", "cudnn", "auto" (jax.nn)
+      num_classes=2,  # classification
+      pooling="mean",  # classification: 'mean', 'first' or 'attention'
+  ))
+  return config
