@@ -24,14 +24,14 @@ def get_config():
   config.model.vocab_size = 8000
   config.max_source_length = 256
   config.max_target_length = 64
-  config.num_train_steps = 3_000
+  config.num_train_steps = 1_200
   config.per_device_batch_size = 16
   config.learning_rate = 1e-3
-  config.warmup_steps = 500
+  config.warmup_steps = 300
   config.log_every_steps = 50
-  config.eval_every_steps = 1_000
-  config.checkpoint_every_steps = 500
-  config.num_generate_examples = 200
+  config.eval_every_steps = 1_200
+  config.checkpoint_every_steps = 400
+  config.num_generate_examples = 100
   config.decoding.update(method="beam", beam_size=4, alpha=0.6, max_decode_len=64)
   config.model.update(emb_dim=256, num_heads=4, num_layers=3, qkv_dim=256, mlp_dim=1024,
                       max_len=256, dropout_rate=0.1, pre_ln=True, share_embeddings=True)

@@ -161,3 +161,53 @@ def test_every_config_file_loads_and_builds_its_model():
       model = tasks.make_model(config)
       shapes = jax.eval_shape(lambda m=model: tasks.init_params(m, jax.random.PRNGKey(0)))
       assert jax.tree.leaves(shapes), path
+
+
+def test_tokenizer_is_trained_once_or_taken_from_a_given_model(tmp_path):
+  from transformer_jax import tokenizer as tokenizer_lib
+  config = default_config.get_config()
+  config.model.vocab_size = 40
+  examples = [{"source": f"the cat {i}", "target": f"die Katze {i}"} for i in range(50)]
+  os.makedirs(tmp_path / "a")
+  trained = train.load_tokenizer(config, str(tmp_path / "a"), examples)
+  # Reused as saved, whatever the examples are now (a resumed run, predict).
+  again = train.load_tokenizer(config, str(tmp_path / "a"), [{"source": "x"}])
+  assert again.model_proto == trained.model_proto
+  # A given .model is copied into a new workdir instead of training one.
+  os.makedirs(tmp_path / "b")
+  config.tokenizer.path = str(tmp_path / "a" / predict.TOKENIZER_FILE)
+  given = train.load_tokenizer(config, str(tmp_path / "b"), [])
+  assert given.model_proto == trained.model_proto
+  assert tokenizer_lib.Tokenizer.load(str(tmp_path / "b" / predict.TOKENIZER_FILE)
+                                      ).model_proto == trained.model_proto
+
+
+def test_multitask_mixture_trains_and_scores_each_part(tmp_path):
+  _write_sentiment(str(tmp_path / "sentiment"))
+  os.makedirs(tmp_path / "parallel")
+  for split in ("train", "dev", "test"):
+    for lang, words in (("en", ["one", "two", "three"]), ("de", ["eins", "zwei", "drei"])):
+      with open(tmp_path / "parallel" / f"{split}.{lang}", "w") as f:
+        f.write("".join(f"{words[i % 3]} {words[(i + 1) % 3]}\n" for i in range(30)))
+  config = default_config.get_config()
+  config.update(task="multitask", dataset="local", data_dir=str(tmp_path), max_source_length=16,
+                max_target_length=8, num_train_steps=4, per_device_batch_size=8,
+                eval_every_steps=4, checkpoint_every_steps=4, log_every_steps=2,
+                num_generate_examples=-1, pack_examples=True)
+  config.mixture = dict(
+      translate=dict(prefix="translate: ", task="translation", data_dir="parallel",
+                     local=dict(format="parallel", source_lang="en", target_lang="de"),
+                     splits=dict(validation="dev"), max_train_examples=-1,
+                     max_eval_examples=5),
+      sentiment=dict(prefix="sentiment: ", task="classification", data_dir="sentiment",
+                     local=dict(format="tsv"), splits=dict(validation="dev"),
+                     label_names=["bad", "good"], max_train_examples=20, max_eval_examples=6))
+  config.decoding.update(method="greedy", max_decode_len=6)
+  config.model.update(TINY, vocab_size=60)
+  os.makedirs(tmp_path / "run")
+  examples, _, _ = train.prepare_data(config, str(tmp_path / "run"), ("train", "test"))
+  assert len(examples["train"]) == 30 + 20 and len(examples["test"]) == 5 + 6
+  assert {e["target"] for e in examples["test"] if e["task"] == "sentiment"} <= {"bad", "good"}
+  assert examples["test"][0]["source"].startswith(("sentiment: ", "translate: "))
+  result = train.train_and_evaluate(config, str(tmp_path / "run"))
+  assert {"translate_bleu", "sentiment_accuracy"} <= set(result)

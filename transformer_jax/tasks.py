@@ -85,7 +85,7 @@ def labels_and_weights(batch: dict) -> tuple[jax.Array, jax.Array]:
   return targets, weights
 
 
-def training_texts(config: ml_collections.ConfigDict, examples: Sequence[dict]):
+def training_texts(examples: Sequence[dict]):
   """The texts SentencePiece learns from: sources, and targets when they are text."""
   for example in examples:
     yield example["source"]

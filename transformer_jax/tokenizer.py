@@ -65,11 +65,3 @@ def train_tokenizer(sentences: Iterable[str], vocab_size: int, *,
       minloglevel=2)
   return Tokenizer(model.getvalue())
 
-
-def load_or_train(path: str, sentences: Iterable[str], vocab_size: int, **kwargs) -> Tokenizer:
-  """Loads the tokenizer at `path`, training and saving it there first if it is missing."""
-  if os.path.exists(path):
-    return Tokenizer.load(path)
-  tokenizer = train_tokenizer(sentences, vocab_size, **kwargs)
-  tokenizer.save(path)
-  return tokenizer

@@ -66,7 +66,7 @@ def load_tokenizer(config: ml_collections.ConfigDict, workdir: str,
   if t.path:
     tokenizer = tokenizer_lib.Tokenizer.load(t.path)
   else:
-    texts = list(tasks.training_texts(config, train_examples))
+    texts = list(tasks.training_texts(train_examples))
     if len(texts) > t.num_sentences:
       keep = np.random.default_rng(config.seed).choice(len(texts), t.num_sentences, replace=False)
       texts = [texts[i] for i in sorted(keep)]
@@ -165,7 +165,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   os.makedirs(workdir, exist_ok=True)
   is_chief = jax.process_index() == 0
   writer = metric_writers.create_default_writer(workdir, just_logging=not is_chief)
-  num_devices = jax.local_device_count()
   # Each optimizer step sees grad_accum_steps micro-batches of per_device_batch_size per device.
   global_batch_size = (config.per_device_batch_size * jax.device_count() *
                        config.grad_accum_steps)
