@@ -3,6 +3,9 @@
   python -m transformer_jax.main --config configs/demo.py --workdir runs/demo
   python -m transformer_jax.main --workdir runs/demo --mode evaluate
   python -m transformer_jax.main --workdir runs/demo --mode predict --input in.txt --output -
+
+Several hosts (see launch/): add --multihost on Cloud TPU VMs and under SLURM, or
+--coordinator_address=HOST0:PORT --num_processes=N --process_id=I everywhere else.
 """
 
 import json
@@ -21,6 +24,11 @@ flags.DEFINE_integer("average_last", 1, "evaluate / predict: average the paramet
                      "N checkpoints (up to --checkpoint_step), as the paper does with 5 or 20.")
 flags.DEFINE_string("input", "-", "predict: a file with one source text per line, - = stdin.")
 flags.DEFINE_string("output", "-", "predict: where outputs go, one per line, - = stdout.")
+flags.DEFINE_bool("multihost", False, "Join a multi-process run with jax.distributed.initialize: "
+                  "on Cloud TPU VMs and under SLURM the other flags are found automatically.")
+flags.DEFINE_string("coordinator_address", None, "multihost: host:port of process 0.")
+flags.DEFINE_integer("num_processes", None, "multihost: how many processes in all.")
+flags.DEFINE_integer("process_id", None, "multihost: this process's index, 0 .. N-1.")
 config_flags.DEFINE_config_file("config", None, "Config file (training; evaluate and predict "
                                 "default to the workdir's saved config).", lock_config=True)
 flags.mark_flag_as_required("workdir")
@@ -33,6 +41,16 @@ class _QuietLibraries(std_logging.Filter):
     return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
 
 
+def _initialize_distributed() -> None:
+  import jax  # pylint: disable=g-import-not-at-top
+  # CPU processes reduce across each other through gloo; accelerators ignore this setting.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
+                             flags.FLAGS.process_id)
+  logging.info("Process %d of %d; %d local and %d global devices.", jax.process_index(),
+               jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -42,6 +60,8 @@ def main(argv):
   from transformer_jax import commands
 
   workdir = flags.FLAGS.workdir
+  if flags.FLAGS.multihost or flags.FLAGS.coordinator_address:
+    _initialize_distributed()
   try:
     if flags.FLAGS.mode == "train":
       if flags.FLAGS.config is None:
