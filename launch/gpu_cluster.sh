@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Multi-node GPU training: one process per node, every local GPU used by that process.
 #
 #   launch/gpu_cluster.sh [--dry_run] slurm --nodes N [--partition P] [--gpus_per_node 8] -- ARGS
@@ -23,7 +24,7 @@ port=1234
 repo="\$HOME/transformer_jax"
 train_args=()
 
-usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '3,16p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -45,22 +46,8 @@ done
 [[ ${#train_args[@]} -gt 0 ]] || { echo "needs: -- --config ... --workdir ..." >&2; exit 2; }
 printf -v quoted_args '%q ' "${train_args[@]}"
 
-# Prints a command as it could be pasted into a shell: plain words bare, others single-quoted.
-show() {
-  local word out=()
-  for word in "$@"; do
-    if [[ "$word" =~ ^[A-Za-z0-9_./:=,@%+~-]+$ ]]; then
-      out+=("$word")
-    else
-      out+=("'${word//\'/\'\\\'\'}'")
-    fi
-  done
-  echo "${out[*]}"
-}
-
-run() {
-  if "$dry_run"; then show "$@"; else "$@"; fi
-}
+# shellcheck source=common.sh
+source "$(dirname "$0")/common.sh"
 
 if [[ "$mode" == slurm ]]; then
   [[ -n "$nodes" ]] || { echo "slurm needs --nodes N" >&2; exit 2; }

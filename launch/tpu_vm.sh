@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Cloud TPU VM (single host or slice): create, install, train on every worker, watch, delete.
 #
 #   launch/tpu_vm.sh [--dry_run] [--name N] [--zone Z] [--type v4-8] [--project P] ACTION [-- ARGS]
@@ -23,7 +24,7 @@ dry_run=false
 action=""
 train_args=()
 
-usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '3,17p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -42,22 +43,8 @@ while [[ $# -gt 0 ]]; do
 done
 [[ -n "$action" ]] || usage 2
 
-# Prints a command as it could be pasted into a shell: plain words bare, others single-quoted.
-show() {
-  local word out=()
-  for word in "$@"; do
-    if [[ "$word" =~ ^[A-Za-z0-9_./:=,@%+~-]+$ ]]; then
-      out+=("$word")
-    else
-      out+=("'${word//\'/\'\\\'\'}'")
-    fi
-  done
-  echo "${out[*]}"
-}
-
-run() {
-  if "$dry_run"; then show "$@"; else "$@"; fi
-}
+# shellcheck source=common.sh
+source "$(dirname "$0")/common.sh"
 
 gcloud_tpu=(gcloud compute tpus tpu-vm)
 where=(--zone="$zone")

@@ -2,7 +2,6 @@
 task metrics, and the shared-corpus configs training for a few steps."""
 
 import functools
-import importlib.util
 import os
 
 import jax
@@ -127,11 +126,7 @@ def test_classification_trains_evaluates_and_predicts_label_names(tmp_path):
 
 
 def _load_config(name):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs",
-                                                                   f"{name}.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+  return default_config.load(os.path.join(ROOT, "configs", f"{name}.py"))
 
 
 @pytest.mark.parametrize("name,folder", [("multi30k", "multi30k"), ("sst2", "sst2"),

@@ -7,7 +7,24 @@
     ...
 """
 
+import importlib.util
+import os
+
 import ml_collections
+
+
+def load(path: str) -> ml_collections.ConfigDict:
+  """`get_config()` of the config file at `path`, e.g. a sibling config to build a variant on."""
+  name = os.path.splitext(os.path.basename(path))[0]
+  spec = importlib.util.spec_from_file_location(f"transformer_jax_config_{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def sibling(config_file: str, name: str) -> ml_collections.ConfigDict:
+  """The config `name`.py in the folder of `config_file` (pass a config's `__file__`)."""
+  return load(os.path.join(os.path.dirname(os.path.abspath(config_file)), f"{name}.py"))
 
 
 def get_config() -> ml_collections.ConfigDict:

@@ -83,8 +83,12 @@ def prepare_data(config: ml_collections.ConfigDict, workdir: str, splits=sources
   """Examples of `splits`, the workdir's tokenizer (made on first use), token features."""
   if config.overlong not in ("truncate", "drop"):
     raise ValueError(f"config.overlong={config.overlong!r}: use 'truncate' or 'drop'.")
-  examples = sources.load_examples(config, sorted(set(splits) | {"train"}))
-  tokenizer = load_tokenizer(config, workdir, examples["train"])
+  # The training split is read for the tokenizer only when the workdir has none yet.
+  needs_train = not (config.tokenizer.path or
+                     os.path.exists(os.path.join(workdir, predict.TOKENIZER_FILE)))
+  examples = sources.load_examples(config, sorted(set(splits) | ({"train"} if needs_train
+                                                                  else set())))
+  tokenizer = load_tokenizer(config, workdir, examples.get("train", []))
   encoded = {}
   for split in splits:
     # Only training may drop examples: an evaluation must score every reference.
