@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -50,6 +51,7 @@ def test_evaluate_and_predict_from_workdir(trained, tmp_path):
   evaluated = commands.run_evaluate(workdir, split="validation")
   np.testing.assert_allclose(evaluated["loss"], result["loss"], rtol=1e-5)
   assert evaluated["step"] == 20
+  assert evaluated["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
   source = tmp_path / "in.txt"
   long_line = " ".join(["dog"] * 5000).encode()
   source.write_bytes(b"The dog sees the cat.\n\nOften a child finds \xff our birds.\n" +
@@ -119,11 +121,38 @@ def _train_in_subprocess(workdir, cache, devices, per_device):
   return json.loads(out.split("RESULT", 1)[1])
 
 
-def test_one_and_eight_devices_give_the_same_loss(tmp_path, data_cache):
+def test_one_and_eight_devices_and_two_processes_give_the_same_loss(tmp_path, data_cache):
   one = _train_in_subprocess(str(tmp_path / "one"), data_cache, devices=1, per_device=16)
   eight = _train_in_subprocess(str(tmp_path / "eight"), data_cache, devices=8, per_device=2)
   np.testing.assert_allclose(eight["loss"], one["loss"], rtol=1e-4)
   np.testing.assert_allclose(eight["accuracy"], one["accuracy"], rtol=1e-4)
+  # Two processes x 4 devices (jax.distributed over gloo on localhost), one shared workdir,
+  # each process feeding its own half of the same global batch.
+  workdir = str(tmp_path / "two_processes")
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
+  script = _TRAIN_SCRIPT.format(root=ROOT, cache=data_cache, per_device=2, workdir=workdir)
+  processes = [subprocess.Popen(
+      [sys.executable, "-c", _DISTRIBUTED.format(port=port, process_id=i) + script], env=env,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  outputs = [p.communicate(timeout=600) for p in processes]
+  assert all(p.returncode == 0 for p in processes), outputs[0][1][-3000:]
+  for out, _ in outputs:
+    two = json.loads(out.split("RESULT", 1)[1])
+    np.testing.assert_allclose(two["loss"], eight["loss"], rtol=1e-4)
+  # A checkpoint written by both processes is evaluated by one.
+  np.testing.assert_allclose(commands.run_evaluate(workdir, split="validation")["loss"],
+                             two["loss"], rtol=1e-5)
+
+
+_DISTRIBUTED = """
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize("localhost:{port}", 2, {process_id})
+"""
 
 
 def test_cross_entropy_gradient_matches_autodiff():

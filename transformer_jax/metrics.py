@@ -109,8 +109,11 @@ def bleu(hypotheses: Sequence[str], references: Sequence[str]) -> tuple[float, s
 
 
 def bleu_signature() -> str:
-  """The signature of `bleu` (its settings and sacreBLEU's version; not data-dependent)."""
-  return str(sacrebleu.metrics.BLEU().get_signature())
+  """The signature of `bleu`: its settings and sacreBLEU's version, not the data (sacreBLEU
+  only states the reference count after scoring, so one dummy sentence is scored)."""
+  metric = sacrebleu.metrics.BLEU()
+  metric.corpus_score(["a"], [["a"]])
+  return str(metric.get_signature())
 
 
 def rouge(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, float]:

@@ -224,7 +224,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     return result
 
   def save(step: int):
-    host_state = parallel.unreplicate(state)
+    # Host numpy copies: every process holds the same values, and Orbax writes them once.
+    host_state = jax.device_get(parallel.unreplicate(state))
     checkpoints.save(manager, step, host_state.params, host_state.opt_state,
                      train_batches.state)
 
