@@ -5,7 +5,7 @@
   python -m transformer_jax.main --workdir runs/multi30k --mode evaluate
 
 29,000 training pairs, a joint 8,000-piece BPE, a 3+3-layer post-LN Transformer (d 256, 4
-heads, ff 1024; 9.3M parameters) on packed rows of 64 tokens. On the README's 2-core CPU:
+heads, ff 1024; 7.6M parameters) on packed rows of 64 tokens. On the README's 2-core CPU:
 about 60 minutes, test BLEU about 3x (see README's results table).
 """
 
