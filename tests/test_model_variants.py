@@ -146,7 +146,7 @@ def _train(config, batches, **model_overrides):
   state = parallel.replicate(jax.jit(functools.partial(train.create_state, config, model))(
       jax.random.PRNGKey(0)))
   step = train.compile_train_step(config, model)
-  rng = parallel.replicate(jax.random.PRNGKey(1))
+  rng = jax.random.PRNGKey(1)
   losses = []
   for batch in batches:
     state, sums = step(state, parallel.shard(batch), rng)

@@ -126,6 +126,10 @@ class MultiHeadAttention(nn.Module):
       kv = projection(2, "kv")(inputs_kv)  # [b, k, 2, h, d]
       key, value = kv[:, :, 0], kv[:, :, 1]  # each [b, k, h, d]
 
+    # Under the jit layout: heads split over the tensor axis, rows over data x fsdp (a no-op
+    # without logical axis rules, as under pmap).
+    query, key, value = (nn.with_logical_constraint(x, ("batch", "length", "heads", "kv"))
+                         for x in (query, key, value))
     if decode:
       key, value, mask = self._update_cache(key, value, mask)
 

@@ -61,14 +61,16 @@ def _timed(fn, steps: int, warmup: int) -> float:
 
 
 def train_speed(config, model, batch_size: int, seq_len: int, steps: int, warmup: int) -> dict:
-  """Seconds per pmapped training step on random tokens, and target tokens per second."""
+  """Seconds per training step (config.parallel's layout) on random tokens, and target
+  tokens per second."""
+  layout = parallel.make_layout(config)
   rng = np.random.default_rng(0)
-  batch = parallel.shard({k: rng.integers(3, config.model.vocab_size, (batch_size, seq_len),
-                                          dtype=np.int32) for k in ("inputs", "targets")})
-  state = jax.jit(functools.partial(train.create_state, config, model))(jax.random.PRNGKey(0))
-  holder = {"state": parallel.replicate(state)}
-  dropout = parallel.replicate(jax.random.PRNGKey(1))
-  step = train.compile_train_step(config, model)
+  batch = layout.train_batch({k: rng.integers(3, config.model.vocab_size, (batch_size, seq_len),
+                                              dtype=np.int32) for k in ("inputs", "targets")})
+  create = functools.partial(train.create_state, config, model, jax.random.PRNGKey(0))
+  holder = {"state": layout.place_state(layout.create_state(create))}
+  dropout = jax.random.PRNGKey(1)
+  step = train.compile_train_step(config, model, layout)
 
   def run():
     holder["state"], sums = step(holder["state"], batch, dropout)

@@ -32,6 +32,17 @@ def save(checkpoints: ocp.CheckpointManager, step: int, params: Any, opt_state: 
   checkpoints.save(step, args=ocp.args.Composite(**items), force=True)
 
 
+def _restore_target(leaf) -> jax.ShapeDtypeStruct:
+  """Shape, dtype and sharding to restore into. Without a sharding of its own a leaf goes to
+  the first local device, never to the saved sharding (whose devices may not exist here: a
+  checkpoint written by 8 devices or 2 processes is read by one)."""
+  target = ocp.utils.to_shape_dtype_struct(leaf)
+  if isinstance(target, jax.ShapeDtypeStruct) and target.sharding is None:
+    target = jax.ShapeDtypeStruct(target.shape, target.dtype,
+                                  sharding=jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+  return target
+
+
 def restore(checkpoints: ocp.CheckpointManager, abstract_params: Any,
             abstract_opt_state: Any = None, step: int | None = None, *,
             with_data_state: bool = False) -> tuple:
@@ -56,7 +67,7 @@ def restore(checkpoints: ocp.CheckpointManager, abstract_params: Any,
   items = {"params": abstract_params}
   if abstract_opt_state is not None:
     items["opt_state"] = abstract_opt_state
-  args = {name: ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, tree))
+  args = {name: ocp.args.StandardRestore(jax.tree.map(_restore_target, tree))
           for name, tree in items.items()}
   if with_data_state:
     args["data_state"] = ocp.args.JsonRestore()

@@ -21,7 +21,7 @@ def run_evaluate(workdir: str, step: int | None = None, split: str = "test",
   config = predictor.config
   examples, _, encoded = train.prepare_data(config, workdir, (split,))
   evaluator = evaluation.Evaluator(config, predictor)
-  result, _ = evaluator.evaluate(predictor.replicated_params, encoded[split], examples[split])
+  result, _ = evaluator.evaluate(predictor.device_params, encoded[split], examples[split])
   result.update(step=predictor.step, split=split, examples=len(encoded[split]),
                 decoding=config.decoding.method, average_last=average_last)
   if "bleu" in result or config.task == "multitask":

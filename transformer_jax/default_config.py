@@ -105,6 +105,14 @@ def get_config() -> ml_collections.ConfigDict:
   # Seed for initialisation, data order and dropout.
   config.seed = 0
 
+  # ---- Devices ----------------------------------------------------------------------------
+  # How the devices share the work (see transformer_jax/parallel.py). mode 'pmap': data
+  # parallel over every local device, state replicated. mode 'jit': one program over a
+  # (data, fsdp, tensor) mesh of all devices: batch split over data x fsdp, parameters and
+  # optimizer state split over fsdp (embedding dim) and tensor (heads, MLP, vocabulary); the
+  # sizes multiply to the device count, -1 = the rest.
+  config.parallel = ml_collections.ConfigDict(dict(mode="pmap", data=-1, fsdp=1, tensor=1))
+
   # ---- Logging, evaluation, checkpoints ---------------------------------------------------
   # Train metrics are fetched from the devices (and logged) every this many steps.
   config.log_every_steps = 100

@@ -19,10 +19,10 @@ from transformer_jax import tasks
 from transformer_jax.data import pipeline
 
 
-def _eval_step(params, batch, *, model):
+def _eval_step(params, batch, *, model, axis_name):
   logits = tasks.forward(model, params, batch, deterministic=True)
   labels, weights = tasks.labels_and_weights(batch)
-  return jax.lax.psum(metrics.token_metrics(logits, labels, weights), parallel.AXIS)
+  return parallel.psum(metrics.token_metrics(logits, labels, weights), axis_name)
 
 
 def text_metrics(task: str, outputs: Sequence[str], references: Sequence[str]) -> dict:
@@ -45,28 +45,29 @@ class Evaluator:
   def __init__(self, config: ml_collections.ConfigDict, predictor: predict.Predictor):
     self.config = config
     self.predictor = predictor
-    self._eval_step = jax.pmap(functools.partial(_eval_step, model=predictor.model),
-                               axis_name=parallel.AXIS)
+    self.layout = predictor.layout
+    self._eval_step = self.layout.compile_eval(functools.partial(
+        _eval_step, model=predictor.model, axis_name=self.layout.axis_name))
 
-  def loss_and_accuracy(self, replicated_params, data: pipeline.Encoded) -> dict:
+  def loss_and_accuracy(self, device_params, data: pipeline.Encoded) -> dict:
     sums = None
     for batch in pipeline.eval_batches(data, self.predictor.batch_size):
-      step_sums = self._eval_step(replicated_params, parallel.shard(batch))
-      sums = metrics.add_sums(sums, jax.tree.map(lambda x: x[0], step_sums))
+      step_sums = self._eval_step(device_params, self.layout.eval_batch(batch))
+      sums = metrics.add_sums(sums, self.layout.host_sums(step_sums))
     result = metrics.normalize(sums)
     if data.labels is None:
       result["perplexity"] = float(np.exp(min(result["loss"], 50.0)))
     return result
 
-  def evaluate(self, replicated_params, data: pipeline.Encoded, examples: Sequence[dict],
+  def evaluate(self, device_params, data: pipeline.Encoded, examples: Sequence[dict],
                num_generate_examples: int = -1) -> tuple[dict, list[str]]:
     """Metrics of `data` (the encoded `examples`) and a few sample outputs as Markdown.
 
     Loss and accuracy use every example; generated metrics use the first
     `num_generate_examples` (-1 = all; a classifier always uses all, its outputs are cheap).
     """
-    self.predictor.replicated_params = replicated_params
-    result = self.loss_and_accuracy(replicated_params, data)
+    self.predictor.device_params = device_params
+    result = self.loss_and_accuracy(device_params, data)
     task = self.config.task
     n = len(data) if num_generate_examples < 0 or task == "classification" else min(
         num_generate_examples, len(data))

@@ -121,5 +121,6 @@ class FeedForward(nn.Module):
     act, gated = _ACTIVATIONS[self.activation]
     hidden = dense(self.mlp_dim, "wi")(x)  # [b, len, mlp]
     hidden = act(dense(self.mlp_dim, "wi_gate")(x)) * hidden if gated else act(hidden)
+    hidden = nn.with_logical_constraint(hidden, ("batch", "length", "mlp"))  # jit layout only
     hidden = Dropout(self.dropout_rate)(hidden, deterministic=deterministic)
     return dense(x.shape[-1], "wo")(hidden)  # [b, len, emb]

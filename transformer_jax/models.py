@@ -110,6 +110,12 @@ def self_attention_mask(tokens: Array, segmentation: Array | None, causal: bool)
 
 # ---- Layers and stacks ---------------------------------------------------------------------
 
+def residual_stream(x: Array) -> Array:
+  """[b, len, emb] between layers: rows split over data x fsdp, the embedding dimension whole
+  (the jit layout's activation sharding; a no-op without logical axis rules, as under pmap)."""
+  return nn.with_logical_constraint(x, ("batch", "length", None))
+
+
 class SublayerConnection(nn.Module):
   """Residual connection with LayerNorm after (post-LN) or before (pre-LN) the sublayer."""
   config: TransformerConfig
@@ -182,7 +188,7 @@ class EncoderStack(nn.Module):
     # remat: `deterministic` (argument 3, counting self) must stay a Python bool.
     layer = nn.remat(EncoderLayer, static_argnums=(3,)) if c.remat else EncoderLayer
     for i in range(c.num_layers):
-      x = layer(c, name=f"layer_{i}")(x, mask, deterministic)
+      x = layer(c, name=f"layer_{i}")(residual_stream(x), mask, deterministic)
     if c.pre_ln if c.final_norm is None else c.final_norm:
       x = nn.LayerNorm(epsilon=c.layer_norm_epsilon, dtype=c.dtype, name="final_norm")(x)
     return x
@@ -198,7 +204,8 @@ class DecoderStack(nn.Module):
     c = self.config
     layer = nn.remat(DecoderLayer, static_argnums=(5, 6)) if c.remat else DecoderLayer
     for i in range(c.num_decoder_layers or c.num_layers):
-      y = layer(c, name=f"layer_{i}")(y, encoded, self_mask, cross_mask, deterministic, decode)
+      y = layer(c, name=f"layer_{i}")(residual_stream(y), encoded, self_mask, cross_mask,
+                                      deterministic, decode)
     if c.pre_ln if c.final_norm is None else c.final_norm:
       y = nn.LayerNorm(epsilon=c.layer_norm_epsilon, dtype=c.dtype, name="final_norm")(y)
     return y
@@ -216,7 +223,11 @@ class TokenEmbedding(nn.Module):
 
   def __call__(self, tokens: Array) -> Array:
     c = self.config
-    return (self.embedding(tokens) * jnp.sqrt(jnp.float32(c.emb_dim))).astype(c.dtype)
+    # Under the jit layout the table is gathered whole before the lookup (as FSDP gathers every
+    # weight before use): a lookup into a vocab x embed-sharded table has no efficient sharding.
+    table = nn.with_logical_constraint(self.embedding.embedding, (None, None))
+    embedded = residual_stream(jnp.take(table, tokens, axis=0))  # [b, len, emb]
+    return (embedded * jnp.sqrt(jnp.float32(c.emb_dim))).astype(c.dtype)
 
   def attend(self, y: Array) -> Array:
     return self.embedding.attend(y.astype(jnp.float32))  # float32 logits

@@ -35,9 +35,9 @@ TOKENIZER_FILE = "tokenizer.model"
 
 def save_config(workdir: str, config: ml_collections.ConfigDict) -> None:
   path = os.path.join(workdir, CONFIG_FILE)
-  with open(f"{path}.tmp", "w") as f:
+  with open(f"{path}.tmp{os.getpid()}", "w") as f:
     f.write(config.to_json(indent=2))
-  os.replace(f"{path}.tmp", path)
+  os.replace(f"{path}.tmp{os.getpid()}", path)  # atomic: never a half-written config
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
@@ -168,13 +168,14 @@ def _classify(params, inputs, rng, *, model: models.EncoderClassifier):
   return jnp.argmax(logits, axis=-1)[:, None]  # [b, 1]: the class id
 
 
-def decode_fn(model: nn.Module, decoding_config: ml_collections.ConfigDict):
-  """pmapped (replicated params, sharded inputs, replicated rng) -> sharded output tokens
-  ([.., 1] class ids for a classifier). One compilation per source length."""
+def decode_fn(model: nn.Module, decoding_config: ml_collections.ConfigDict, layout=None):
+  """(placed params, placed inputs, rng) -> output tokens ([.., 1] class ids for a
+  classifier), compiled by `layout` (default pmap) once per source length."""
+  layout = layout or parallel.DataParallel()
   compiled: dict[int, object] = {}  # by source length
 
-  def run(replicated_params, sharded_inputs, rng):
-    source_len = sharded_inputs.shape[-1]
+  def run(device_params, device_inputs, rng):
+    source_len = device_inputs.shape[-1]
     if source_len not in compiled:
       if isinstance(model, models.EncoderClassifier):
         fn = functools.partial(_classify, model=model)
@@ -183,27 +184,28 @@ def decode_fn(model: nn.Module, decoding_config: ml_collections.ConfigDict):
         max_len = max_decode_len(decoding_config, model.config, source_len, prompt_len)
         fn = functools.partial(_generate, model=model, decoding_config=decoding_config,
                                max_len=max_len)
-      compiled[source_len] = jax.pmap(fn, axis_name=parallel.AXIS, in_axes=(0, 0, None))
-    return compiled[source_len](replicated_params, sharded_inputs, rng)
+      compiled[source_len] = layout.compile_decode(fn)
+    return compiled[source_len](device_params, device_inputs, rng)
 
   return run
 
 
-def translate_ids(p_decode, replicated_params, sources: np.ndarray, batch_size: int,
-                  seed: int = 0) -> list[np.ndarray]:
+def translate_ids(p_decode, device_params, sources: np.ndarray, batch_size: int,
+                  seed: int = 0, layout=None) -> list[np.ndarray]:
   """Output tokens for source tokens [n, src_len], in order (one array per row)."""
+  layout = layout or parallel.DataParallel()
   outputs = []
   for index, start in enumerate(range(0, len(sources), batch_size)):
     rows = sources[start:start + batch_size]
     padded = np.pad(rows, ((0, batch_size - len(rows)), (0, 0)))  # fixed shape: one compile
     rng = jax.random.fold_in(jax.random.PRNGKey(seed), index)
-    tokens = parallel.unshard(p_decode(replicated_params, parallel.shard(padded), rng))
+    tokens = layout.host_rows(p_decode(device_params, layout.eval_batch(padded), rng))
     outputs.extend(tokens[:len(rows)])
   return outputs
 
 
-def generate_ids(p_decode, replicated_params, prompts: Sequence[np.ndarray], max_len: int,
-                 batch_size: int, seed: int = 0) -> list[np.ndarray]:
+def generate_ids(p_decode, device_params, prompts: Sequence[np.ndarray], max_len: int,
+                 batch_size: int, seed: int = 0, layout=None) -> list[np.ndarray]:
   """Outputs for token sequences of any length (EOS included), in order: grouped into
   length buckets so short ones are not padded to the longest."""
   buckets: dict[int, list[int]] = {}
@@ -214,17 +216,20 @@ def generate_ids(p_decode, replicated_params, prompts: Sequence[np.ndarray], max
     sources = np.zeros((len(indices), length), np.int32)
     for row, i in enumerate(indices):
       sources[row, :len(prompts[i])] = prompts[i]
-    tokens = translate_ids(p_decode, replicated_params, sources, batch_size, seed)
+    tokens = translate_ids(p_decode, device_params, sources, batch_size, seed, layout)
     for i, row in zip(indices, tokens):
       outputs[i] = row
   return outputs
 
 
 def restore_params(workdir: str, model: nn.Module, step: int | None = None,
-                   average_last: int = 1):
+                   average_last: int = 1, layout=None):
   """Parameters at `step` (default latest), or the mean of the last `average_last` checkpoints
-  up to it (the paper averages the last 5 or 20). Returns (params, step)."""
+  up to it (the paper averages the last 5 or 20), in `layout`'s shardings (default: one
+  device), whatever layout saved them. Returns (params, step)."""
   abstract = jax.eval_shape(lambda: tasks.init_params(model, jax.random.PRNGKey(0)))
+  if layout is not None:
+    abstract = layout.abstract_params(abstract)
   manager = checkpoints.manager(workdir, read_only=True)
   params, _, step = checkpoints.restore(manager, abstract, step=step)
   if average_last <= 1:
@@ -254,15 +259,17 @@ class Predictor:
   translations, summaries, or label names."""
 
   def __init__(self, config: ml_collections.ConfigDict, tokenizer: tokenizer_lib.Tokenizer,
-               params, step: int | None = None):
+               params, step: int | None = None, layout=None):
     self.config = config
     self.tokenizer = tokenizer
     self.step = step
     self.model = tasks.make_model(config)
-    self.batch_size = config.per_device_batch_size * jax.local_device_count()
-    self.params = params  # None: set replicated_params before use (training's evaluator)
-    self.replicated_params = None if params is None else parallel.replicate(params)
-    self._decode = decode_fn(self.model, config.decoding)
+    # The training config's layout (pmap or jit over a mesh) on this machine's devices.
+    self.layout = layout or parallel.make_layout(config)
+    self.batch_size = config.per_device_batch_size * self.layout.eval_devices
+    self.params = params  # None: set device_params before use (training's evaluator)
+    self.device_params = None if params is None else self.layout.place_params(params)
+    self._decode = decode_fn(self.model, config.decoding, self.layout)
 
   @classmethod
   def from_workdir(cls, workdir: str, step: int | None = None,
@@ -270,13 +277,15 @@ class Predictor:
     """Loads the workdir's config, tokenizer and checkpoint (latest unless `step`)."""
     config = load_config(workdir)
     tokenizer = tokenizer_lib.Tokenizer.load(os.path.join(workdir, TOKENIZER_FILE))
-    params, step = restore_params(workdir, tasks.make_model(config), step, average_last)
-    return cls(config, tokenizer, params, step)
+    layout = parallel.make_layout(config, fit_devices=True)
+    params, step = restore_params(workdir, tasks.make_model(config), step, average_last, layout)
+    return cls(config, tokenizer, params, step, layout)
 
   def output_ids(self, prompts: Sequence[np.ndarray]) -> list[np.ndarray]:
     """Generated tokens (or [class id]) for encoded sources, EOS included, in order."""
-    return generate_ids(self._decode, self.replicated_params, prompts,
-                        self.config.max_source_length, self.batch_size, self.config.decoding.seed)
+    return generate_ids(self._decode, self.device_params, prompts,
+                        self.config.max_source_length, self.batch_size, self.config.decoding.seed,
+                        self.layout)
 
   def output_text(self, ids: np.ndarray) -> str:
     if isinstance(self.model, models.EncoderClassifier):

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 from absl import logging
 from clu import metric_writers
+from jax.experimental import multihost_utils
 from flax.training import train_state
 
 from transformer_jax import checkpoints
@@ -58,25 +59,30 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
 def load_tokenizer(config: ml_collections.ConfigDict, workdir: str,
                    train_examples: Sequence[dict]) -> tokenizer_lib.Tokenizer:
   """The workdir's tokenizer; on first use copied from `config.tokenizer.path`, or trained on
-  a seeded sample of the training split's texts."""
+  a seeded sample of the training split's texts (by process 0; the others wait and load it,
+  so every process of a multi-host run uses the same one)."""
   path = os.path.join(workdir, predict.TOKENIZER_FILE)
-  if os.path.exists(path):
-    return tokenizer_lib.Tokenizer.load(path)
+  if jax.process_index() == 0 and not os.path.exists(path):
+    _new_tokenizer(config, train_examples).save(path)
+  if jax.process_count() > 1:  # every process passes here, whether or not it was made now
+    multihost_utils.sync_global_devices("tokenizer saved")
+  return tokenizer_lib.Tokenizer.load(path)
+
+
+def _new_tokenizer(config: ml_collections.ConfigDict,
+                   train_examples: Sequence[dict]) -> tokenizer_lib.Tokenizer:
   t = config.tokenizer
   if t.path:
-    tokenizer = tokenizer_lib.Tokenizer.load(t.path)
-  else:
-    texts = list(tasks.training_texts(train_examples))
-    if len(texts) > t.num_sentences:
-      keep = np.random.default_rng(config.seed).choice(len(texts), t.num_sentences, replace=False)
-      texts = [texts[i] for i in sorted(keep)]
-    logging.info("Training a %d-piece SentencePiece %s tokenizer on %d training texts.",
-                 config.model.vocab_size, t.model_type, len(texts))
-    tokenizer = tokenizer_lib.train_tokenizer(
-        texts, config.model.vocab_size, model_type=t.model_type,
-        character_coverage=t.character_coverage, byte_fallback=t.byte_fallback)
-  tokenizer.save(path)
-  return tokenizer
+    return tokenizer_lib.Tokenizer.load(t.path)
+  texts = list(tasks.training_texts(train_examples))
+  if len(texts) > t.num_sentences:
+    keep = np.random.default_rng(config.seed).choice(len(texts), t.num_sentences, replace=False)
+    texts = [texts[i] for i in sorted(keep)]
+  logging.info("Training a %d-piece SentencePiece %s tokenizer on %d training texts.",
+               config.model.vocab_size, t.model_type, len(texts))
+  return tokenizer_lib.train_tokenizer(
+      texts, config.model.vocab_size, model_type=t.model_type,
+      character_coverage=t.character_coverage, byte_fallback=t.byte_fallback)
 
 
 def prepare_data(config: ml_collections.ConfigDict, workdir: str, splits=sources.SPLITS):
@@ -104,18 +110,23 @@ def prepare_data(config: ml_collections.ConfigDict, workdir: str, splits=sources
 
 
 def train_step(state: train_state.TrainState, batch, rng, *, model: nn.Module,
-               label_smoothing: float, grad_accum_steps: int = 1):
-  """One update on the global batch; runs under pmap, reduces over all devices.
+               label_smoothing: float, grad_accum_steps: int = 1,
+               axis_name: str | None = parallel.AXIS):
+  """One update on the global batch, under either layout (see parallel.py).
+
+  Under pmap (`axis_name` set) `batch` is this device's rows and sums are reduced over the
+  axis; under jit (`axis_name` None) `batch` is the whole global batch.
 
   With `grad_accum_steps` k > 1 this device's rows are k micro-batches, run one after another
   (lax.scan) with their gradients summed: the same update as the whole batch at once, in a
   k-th of the activation memory.
   """
   # Different dropout on every step and device, reproducible from (rng, step, device).
-  step_rng = jax.random.fold_in(jax.random.fold_in(rng, state.step),
-                                jax.lax.axis_index(parallel.AXIS))
+  step_rng = jax.random.fold_in(rng, state.step)
+  if axis_name is not None:
+    step_rng = jax.random.fold_in(step_rng, jax.lax.axis_index(axis_name))
   # Dividing by the global token count makes the summed gradients an exact token mean.
-  denominator = jax.lax.psum(jnp.sum(tasks.labels_and_weights(batch)[1]), parallel.AXIS)
+  denominator = parallel.psum(jnp.sum(tasks.labels_and_weights(batch)[1]), axis_name)
 
   def micro_step(micro_batch, dropout_rng):
     labels, weights = tasks.labels_and_weights(micro_batch)
@@ -133,8 +144,11 @@ def train_step(state: train_state.TrainState, batch, rng, *, model: nn.Module,
   if grad_accum_steps == 1:
     grads, sums = micro_step(batch, step_rng)
   else:
-    micro_batches = (jax.tree.map(lambda x: x.reshape((grad_accum_steps, -1) + x.shape[1:]),
-                                  batch), jax.random.split(step_rng, grad_accum_steps))
+    # Micro-batch i takes rows i, i + k, i + 2k, ...: under jit every device keeps an equal
+    # share of each micro-batch, so no rows move between devices.
+    micro_batches = (jax.tree.map(
+        lambda x: x.reshape((-1, grad_accum_steps) + x.shape[1:]).swapaxes(0, 1), batch),
+                     jax.random.split(step_rng, grad_accum_steps))
 
     def accumulate(totals, micro_batch):
       grads, sums = micro_step(*micro_batch)
@@ -143,17 +157,18 @@ def train_step(state: train_state.TrainState, batch, rng, *, model: nn.Module,
     first = jax.tree.map(lambda x: x[0], micro_batches)
     zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: micro_step(*first)))
     (grads, sums), _ = jax.lax.scan(accumulate, zeros, micro_batches)
-  grads = jax.lax.psum(grads, parallel.AXIS)
+  grads = parallel.psum(grads, axis_name)
   new_state = state.apply_gradients(grads=grads)
-  return new_state, jax.lax.psum(sums, parallel.AXIS)
+  return new_state, parallel.psum(sums, axis_name)
 
 
-def compile_train_step(config: ml_collections.ConfigDict, model: nn.Module):
-  """`train_step` under pmap for this config, the state donated (updated in place)."""
-  return jax.pmap(
-      functools.partial(train_step, model=model, label_smoothing=config.label_smoothing,
-                        grad_accum_steps=config.grad_accum_steps),
-      axis_name=parallel.AXIS, donate_argnums=(0,))
+def compile_train_step(config: ml_collections.ConfigDict, model: nn.Module, layout=None):
+  """`train_step` for this config, compiled by `layout` (default: pmap) with the state donated
+  (updated in place). Call it as step(placed_state, placed_batch, rng)."""
+  layout = layout or parallel.DataParallel()
+  return layout.compile_train_step(functools.partial(
+      train_step, model=model, label_smoothing=config.label_smoothing,
+      grad_accum_steps=config.grad_accum_steps, axis_name=layout.axis_name))
 
 
 def create_state(config: ml_collections.ConfigDict, model: nn.Module,
@@ -169,6 +184,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   os.makedirs(workdir, exist_ok=True)
   is_chief = jax.process_index() == 0
   writer = metric_writers.create_default_writer(workdir, just_logging=not is_chief)
+  layout = parallel.make_layout(config)
   # Each optimizer step sees grad_accum_steps micro-batches of per_device_batch_size per device.
   global_batch_size = (config.per_device_batch_size * jax.device_count() *
                        config.grad_accum_steps)
@@ -191,27 +207,30 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                      f"vocab_size={model.config.vocab_size}; raise config.model.vocab_size.")
   rng = jax.random.PRNGKey(config.seed)
   init_rng, dropout_rng = jax.random.split(rng)
-  state = jax.jit(functools.partial(create_state, config, model))(init_rng)
+  # Under jit the state is created already sharded: no device ever holds all of it.
+  state = layout.create_state(functools.partial(create_state, config, model, init_rng))
   num_params = sum(x.size for x in jax.tree.leaves(state.params))
-  logging.info("Model: %s %s parameters.", f"{num_params:,}", type(model).__name__)
+  logging.info("Model: %s %s parameters; %s layout.", f"{num_params:,}", type(model).__name__,
+               layout.mode)
 
   # ---- Restore --------------------------------------------------------------------------
   manager = checkpoints.manager(workdir, config.keep_checkpoints)
   if manager.latest_step() is not None:
+    # Restored into the new state's shardings, whatever layout and devices saved it.
     params, opt_state, step, data_state = checkpoints.restore(
         manager, state.params, state.opt_state, with_data_state=True)
     state = state.replace(step=step, params=params, opt_state=opt_state)
     train_batches.restore(data_state)
     logging.info("Resumed from checkpoint at step %d (data: epoch %d, row %d).", step,
                  data_state["epoch"], data_state["row"])
-  predict.save_config(workdir, config)  # after a successful restore: a mismatch keeps the old
+  if is_chief:  # after a successful restore: a mismatch keeps the old config
+    predict.save_config(workdir, config)
   start_step = int(state.step)
 
   # ---- Compiled steps -------------------------------------------------------------------
-  p_train_step = compile_train_step(config, model)
-  evaluator = evaluation.Evaluator(config, predict.Predictor(config, tokenizer, None))
-  state = parallel.replicate(state)
-  dropout_rngs = parallel.replicate(dropout_rng)
+  p_train_step = compile_train_step(config, model, layout)
+  evaluator = evaluation.Evaluator(config, predict.Predictor(config, tokenizer, None, layout))
+  state = layout.place_state(state)
 
   def run_eval(step: int) -> dict:
     result, samples = evaluator.evaluate(state.params, eval_data, eval_examples,
@@ -224,22 +243,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     return result
 
   def save(step: int):
-    # Host numpy copies: every process holds the same values, and Orbax writes them once.
-    host_state = jax.device_get(parallel.unreplicate(state))
-    checkpoints.save(manager, step, host_state.params, host_state.opt_state,
-                     train_batches.state)
+    saved = layout.checkpoint_state(state)
+    checkpoints.save(manager, step, saved.params, saved.opt_state, train_batches.state)
 
   # ---- Training loop --------------------------------------------------------------------
   result = {}
   sums, last_log_time, last_log_step = None, time.time(), start_step
   for step in range(start_step, config.num_train_steps):
-    batch = parallel.shard(next(train_batches))
-    state, step_sums = p_train_step(state, batch, dropout_rngs)
+    batch = layout.train_batch(next(train_batches))
+    state, step_sums = p_train_step(state, batch, dropout_rng)
     # Accumulated on device: the host only waits at log time.
     sums = step_sums if sums is None else jax.tree.map(jnp.add, sums, step_sums)
     done = step + 1
     if done % config.log_every_steps == 0 or done == config.num_train_steps:
-      host_sums = jax.tree.map(lambda x: np.asarray(x[0]), sums)
+      host_sums = layout.host_sums(sums)
       train_metrics = metrics.normalize(host_sums)
       if not np.isfinite(train_metrics["loss"]):
         raise NonFiniteLossError(
