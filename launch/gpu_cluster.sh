@@ -11,6 +11,8 @@
 #        --coordinator_address=h0:PORT --num_processes=N --process_id=I; output in
 #        ~/transformer_jax_train.log on each host.
 # ARGS are main's flags: --config configs/X.py --workdir DIR (a folder every node shares).
+# XLA_FLAGS: --xla_gpu_enable_latency_hiding_scheduler=true (collectives overlap compute) is
+# set on every node, plus whatever XLA_FLAGS holds where this script runs.
 # --dry_run prints the commands (and the sbatch script) instead of running them.
 set -euo pipefail
 
@@ -45,6 +47,7 @@ done
 [[ -n "$mode" ]] || usage 2
 [[ ${#train_args[@]} -gt 0 ]] || { echo "needs: -- --config ... --workdir ..." >&2; exit 2; }
 printf -v quoted_args '%q ' "${train_args[@]}"
+xla_flags="--xla_gpu_enable_latency_hiding_scheduler=true${XLA_FLAGS:+ ${XLA_FLAGS}}"
 
 # shellcheck source=common.sh
 source "$(dirname "$0")/common.sh"
@@ -59,6 +62,7 @@ if [[ "$mode" == slurm ]]; then
 #SBATCH --output=transformer_jax_%j.log
 ${partition:+#SBATCH --partition=${partition}
 }cd ${repo}
+export XLA_FLAGS='${xla_flags}'
 srun python -m transformer_jax.main --multihost ${quoted_args}"
   if "$dry_run"; then
     echo "sbatch <<'SBATCH'"; echo "$script"; echo "SBATCH"
@@ -72,7 +76,7 @@ fi
 IFS=, read -r -a host_list <<< "$hosts"
 coordinator="${host_list[0]}:${port}"
 for i in "${!host_list[@]}"; do
-  run ssh "${host_list[$i]}" "cd ${repo} && nohup python -m transformer_jax.main \
+  run ssh "${host_list[$i]}" "cd ${repo} && XLA_FLAGS='${xla_flags}' nohup python -m transformer_jax.main \
 --coordinator_address=${coordinator} --num_processes=${#host_list[@]} --process_id=${i} \
 ${quoted_args}> ~/transformer_jax_train.log 2>&1 &"
 done

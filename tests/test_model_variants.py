@@ -170,6 +170,9 @@ def test_bfloat16_and_remat_match_float32(demo_batches):
   no_dropout = dict(dropout_rate=0.0, attention_dropout_rate=0.0)
   reference, _ = _train(config, batches, **no_dropout)
   remat, _ = _train(config, batches, remat=True, **no_dropout)
+  for policy in ("dots", "dots_no_batch"):
+    kept, _ = _train(config, batches, remat=True, remat_policy=policy, **no_dropout)
+    np.testing.assert_allclose(kept, reference, rtol=1e-5)
   bf16, _ = _train(config, batches, dtype="bfloat16", **no_dropout)
   np.testing.assert_allclose(remat, reference, rtol=1e-5)  # same math, recomputed
   np.testing.assert_allclose(bf16, reference, rtol=2e-2)  # bfloat16 activations: ~3 digits

@@ -44,6 +44,20 @@ def test_train_batches_cover_each_epoch_and_resume_from_their_state():
         np.concatenate([next(h)["inputs"] for h in halves]), next(whole)["inputs"])
 
 
+def test_prefetch_yields_each_batch_with_the_state_after_it():
+  data = _numbered(10)
+  plain = pipeline.TrainBatches(data, global_batch_size=4, seed=3)
+  expected = [(next(plain), plain.state) for _ in range(5)]
+  for size in (0, 2):
+    ahead = pipeline.TrainBatches(data, global_batch_size=4, seed=3)
+    prefetched = pipeline.prefetch(ahead, place=lambda b: b, size=size)
+    for batch, state in expected:
+      got_batch, got_state = next(prefetched)
+      assert got_state == state  # what a checkpoint after this batch must hold
+      np.testing.assert_array_equal(got_batch["inputs"], batch["inputs"])
+    prefetched.close()
+
+
 def test_packed_batch_has_the_exact_features():
   # Inputs of 3, 4, 2 and 5 tokens (EOS included) in rows of 8; targets of 2 in rows of 6.
   data = _numbered(4, lengths=[2, 3, 1, 4])

@@ -114,6 +114,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.parallel = ml_collections.ConfigDict(dict(mode="pmap", data=-1, fsdp=1, tensor=1))
 
   # ---- Logging, evaluation, checkpoints ---------------------------------------------------
+  # Training batches built and placed on the devices this many steps ahead, in a background
+  # thread (0 = built when needed).
+  config.prefetch_batches = 2
   # Train metrics are fetched from the devices (and logged) every this many steps.
   config.log_every_steps = 100
   # Evaluate on eval_split every this many steps, and at the end.
@@ -154,6 +157,8 @@ def get_config() -> ml_collections.ConfigDict:
       pre_ln=False,
       position_embedding="sinusoidal",
       attention_implementation="reference",  # or "xla", "cudnn", "auto" (jax.nn)
+      remat=False,  # recompute layer activations in the backward pass (less memory)
+      remat_policy="full",  # with remat: 'full', 'dots' or 'dots_no_batch' (models.py)
       num_classes=2,  # classification
       pooling="mean",  # classification: 'mean', 'first' or 'attention'
   ))

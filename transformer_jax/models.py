@@ -50,6 +50,7 @@ class TransformerConfig:
   cross_attention_score: str = "dot_product"  # or 'multiplicative', 'additive'
   attention_implementation: str = "reference"  # or 'xla', 'cudnn', 'auto' (jax.nn)
   remat: bool = False  # recompute each layer's activations in the backward pass
+  remat_policy: str = "full"  # with remat: what is kept (see REMAT_POLICIES)
   bos_id: int = 2  # first decoder input token; the tokenizer reserves it
   num_classes: int = 2  # classifier outputs
   pooling: str = "mean"  # classifier: 'mean' (non-padding), 'first', 'attention'
@@ -67,6 +68,26 @@ SIZES = {
     "big": dict(emb_dim=1024, num_heads=16, num_layers=6, qkv_dim=1024, mlp_dim=4096,
                 dropout_rate=0.3),
 }
+
+
+# What a rematerialised layer keeps from its forward pass; the rest is recomputed.
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,  # least memory: only layer inputs
+    "dots": jax.checkpoint_policies.dots_saveable,  # matmul outputs kept: no matmul recomputed
+    # matmul outputs without batch dimensions (the projections, not attention scores), so
+    # the [b, h, q, k] scores of long sequences are recomputed rather than stored.
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _remat(layer: type[nn.Module], c: "TransformerConfig", static_argnums: tuple[int, ...]):
+  if not c.remat:
+    return layer
+  if c.remat_policy not in REMAT_POLICIES:
+    raise ValueError(f"Unknown remat_policy {c.remat_policy!r}; use one of "
+                     f"{sorted(REMAT_POLICIES)}.")
+  # Flags such as `deterministic` must stay Python bools: static arguments.
+  return nn.remat(layer, static_argnums=static_argnums, policy=REMAT_POLICIES[c.remat_policy])
 
 
 def named_config(size: str, **overrides) -> TransformerConfig:
@@ -185,8 +206,7 @@ class EncoderStack(nn.Module):
   @nn.compact
   def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
     c = self.config
-    # remat: `deterministic` (argument 3, counting self) must stay a Python bool.
-    layer = nn.remat(EncoderLayer, static_argnums=(3,)) if c.remat else EncoderLayer
+    layer = _remat(EncoderLayer, c, static_argnums=(3,))  # `deterministic`, counting self
     for i in range(c.num_layers):
       x = layer(c, name=f"layer_{i}")(residual_stream(x), mask, deterministic)
     if c.pre_ln if c.final_norm is None else c.final_norm:
@@ -202,7 +222,7 @@ class DecoderStack(nn.Module):
   def __call__(self, y: Array, encoded: Array | None, self_mask: Array | None,
                cross_mask: Array | None, *, deterministic: bool, decode: bool) -> Array:
     c = self.config
-    layer = nn.remat(DecoderLayer, static_argnums=(5, 6)) if c.remat else DecoderLayer
+    layer = _remat(DecoderLayer, c, static_argnums=(5, 6))  # deterministic, decode
     for i in range(c.num_decoder_layers or c.num_layers):
       y = layer(c, name=f"layer_{i}")(residual_stream(y), encoded, self_mask, cross_mask,
                                       deterministic, decode)

@@ -130,8 +130,7 @@ class DataParallel:
 
   def compile_train_step(self, fn: Callable) -> Callable:
     """fn(state, batch, rng) -> (state, sums); the state is donated (updated in place)."""
-    step = jax.pmap(fn, axis_name=AXIS, in_axes=(0, 0, None), donate_argnums=(0,))
-    return step
+    return jax.pmap(fn, axis_name=AXIS, in_axes=(0, 0, None), donate_argnums=(0,))
 
   def compile_eval(self, fn: Callable) -> Callable:
     """fn(params, batch) -> sums reduced over devices."""
@@ -140,10 +139,6 @@ class DataParallel:
   def compile_decode(self, fn: Callable) -> Callable:
     """fn(params, inputs, rng) -> outputs per row (no collectives)."""
     return jax.pmap(fn, axis_name=AXIS, in_axes=(0, 0, None))
-
-  def host_state(self, tree: Any) -> Any:
-    """Host numpy copy of a placed state (the first replica)."""
-    return jax.device_get(jax.tree.map(lambda x: x[0], tree))
 
   def host_sums(self, tree: Any) -> Any:
     return jax.tree.map(lambda x: np.asarray(x[0]), tree)
@@ -154,7 +149,7 @@ class DataParallel:
   def checkpoint_state(self, tree: Any) -> Any:
     # Host numpy copies: every process holds the same values and Orbax writes them once
     # (per-process replicas are not global arrays, which Orbax needs).
-    return self.host_state(tree)
+    return jax.device_get(jax.tree.map(lambda x: x[0], tree))
 
   @contextlib.contextmanager
   def tracing(self):
@@ -245,10 +240,6 @@ class MeshParallel:
   def compile_decode(self, fn: Callable) -> Callable:
     # Outputs replicated: every process gets every row back.
     return self._jit(fn, out_shardings=self.replicated)
-
-  def host_state(self, tree: Any) -> Any:
-    return jax.device_get(jax.tree.map(
-        lambda x: jax.device_put(x, self.replicated) if isinstance(x, jax.Array) else x, tree))
 
   def host_sums(self, tree: Any) -> Any:
     return jax.tree.map(np.asarray, tree)

@@ -15,8 +15,8 @@ import numpy as np
 import optax
 from absl import logging
 from clu import metric_writers
-from jax.experimental import multihost_utils
 from flax.training import train_state
+from jax.experimental import multihost_utils
 
 from transformer_jax import checkpoints
 from transformer_jax import evaluation
@@ -244,13 +244,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   def save(step: int):
     saved = layout.checkpoint_state(state)
-    checkpoints.save(manager, step, saved.params, saved.opt_state, train_batches.state)
+    checkpoints.save(manager, step, saved.params, saved.opt_state, data_state)
 
   # ---- Training loop --------------------------------------------------------------------
   result = {}
+  data_state = train_batches.state  # the pipeline's position after the last batch trained on
+  batches = pipeline.prefetch(train_batches, layout.train_batch, config.prefetch_batches)
   sums, last_log_time, last_log_step = None, time.time(), start_step
   for step in range(start_step, config.num_train_steps):
-    batch = layout.train_batch(next(train_batches))
+    batch, data_state = next(batches)
     state, step_sums = p_train_step(state, batch, dropout_rng)
     # Accumulated on device: the host only waits at log time.
     sums = step_sums if sums is None else jax.tree.map(jnp.add, sums, step_sums)
@@ -285,6 +287,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if start_step >= config.num_train_steps:
     logging.info("Already trained to step %d.", start_step)
     result = run_eval(start_step)
+  batches.close()  # stops the prefetch thread
   manager.wait_until_finished()
   writer.flush()
   return result

@@ -9,8 +9,10 @@ would. Every process computes the same rows and keeps its own part of each globa
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Iterator, Sequence
+from concurrent import futures
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -179,6 +181,31 @@ class TrainBatches:
         self.epoch, self.row = self.epoch + 1, 0
     start = self.process_index * self.local_batch_size
     return pad_rows(self.data, rows[start:start + self.local_batch_size], self.pack)
+
+
+def prefetch(batches: TrainBatches, place: Callable[[dict], Any], size: int = 2
+             ) -> Iterator[tuple[Any, dict[str, int]]]:
+  """Yields (placed batch, pipeline state after it), built `size` batches ahead in a
+  background thread, so building rows and copying them to the devices overlaps the step.
+
+  The state comes with its batch, not from `batches.state` (which runs ahead): it is what a
+  checkpoint saved after this batch must hold. `size` 0 builds each batch when asked.
+  """
+
+  def produce():
+    batch = next(batches)
+    return place(batch), batches.state
+
+  if size <= 0:
+    while True:
+      yield produce()
+  with futures.ThreadPoolExecutor(1, thread_name_prefix="prefetch") as pool:
+    # One worker: batches are produced in order.
+    pending = collections.deque(pool.submit(produce) for _ in range(size))
+    while True:
+      item = pending.popleft().result()
+      pending.append(pool.submit(produce))
+      yield item
 
 
 def eval_batches(data: Encoded, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
