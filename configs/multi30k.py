@@ -5,8 +5,9 @@
   python -m transformer_jax.main --workdir runs/multi30k --mode evaluate
 
 29,000 training pairs, a joint 8,000-piece BPE, a 3+3-layer post-LN Transformer (d 256, 4
-heads, ff 1024; 7.6M parameters) on packed rows of 64 tokens. On the README's 2-core CPU:
-about 60 minutes, test BLEU about 3x (see README's results table).
+heads, ff 1024; 7.6M parameters) on packed rows of 64 tokens, 1,000 steps. On the README's
+2-core CPU: about 40 minutes of the whole machine; validation BLEU 36.2 at step 1,000 (beam
+4); the test BLEU is in the README's results table.
 """
 
 from transformer_jax import default_config
@@ -23,7 +24,7 @@ def get_config():
   config.max_source_length = 64
   config.max_target_length = 64
   config.pack_examples = True
-  config.num_train_steps = 2_000
+  config.num_train_steps = 1_000
   config.per_device_batch_size = 48
   config.learning_rate = 1e-3
   config.warmup_steps = 400
