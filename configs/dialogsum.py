@@ -5,8 +5,9 @@
   python -m transformer_jax.main --workdir runs/dialogsum --mode evaluate
 
 12,460 training dialogues (cut to 256 tokens), summaries of up to 64 tokens, a joint
-8,000-piece BPE, a 3+3-layer pre-LN Transformer (d 256). Decoding: beam 4. The README's
-results table has the time and ROUGE measured on its 2-core CPU.
+8,000-piece BPE, a 3+3-layer pre-LN Transformer (d 256), 2,000 steps of 16 dialogues.
+Decoding: beam 4. On the README's 2-core CPU about 50 minutes of the whole machine;
+validation ROUGE-L 24.4 (first 100 dialogues); the test ROUGE is in the README's results table.
 """
 
 from transformer_jax import default_config
@@ -24,12 +25,12 @@ def get_config():
   config.model.vocab_size = 8000
   config.max_source_length = 256
   config.max_target_length = 64
-  config.num_train_steps = 1_200
+  config.num_train_steps = 2_000
   config.per_device_batch_size = 16
   config.learning_rate = 1e-3
   config.warmup_steps = 300
   config.log_every_steps = 50
-  config.eval_every_steps = 1_200
+  config.eval_every_steps = 2_000
   config.checkpoint_every_steps = 400
   config.num_generate_examples = 100
   config.decoding.update(method="beam", beam_size=4, alpha=0.6, max_decode_len=64)

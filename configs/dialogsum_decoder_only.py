@@ -6,7 +6,7 @@
 
 Inference fills the KV cache with `DIALOGUE <eos>` and generates the summary (greedy here).
 Data and tokenizer as configs/dialogsum.py, 800 steps; one 4-layer pre-LN decoder (d 256) reads
-dialogue and summary as one 320-token sequence. See the README's results table.
+dialogue and summary as one 320-token sequence. Not yet run to completion on the corpus.
 """
 
 from transformer_jax import default_config
