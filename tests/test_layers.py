@@ -29,3 +29,18 @@ def test_sinusoidal_positions_known_values():
   np.testing.assert_allclose(table[0], [0, 1, 0, 1], atol=1e-7)
   np.testing.assert_allclose(table[1], [math.sin(1), math.cos(1), math.sin(0.01),
                                         math.cos(0.01)], atol=1e-7)
+
+
+def test_tied_logits_and_its_gradients_match_autodiff():
+  import jax
+  import jax.numpy as jnp
+  y = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 8))
+  table = jax.random.normal(jax.random.PRNGKey(1), (13, 8))
+  cotangent = jax.random.normal(jax.random.PRNGKey(2), (2, 3, 13))
+  plain = lambda y, table: jnp.einsum("bld,vd->blv", y, table)
+  np.testing.assert_allclose(layers.tied_logits(y, table), plain(y, table), rtol=1e-6)
+  ours = jax.vjp(layers.tied_logits, y, table)[1](cotangent)
+  theirs = jax.vjp(plain, y, table)[1](cotangent)
+  for a, b in zip(ours, theirs):
+    assert a.shape == b.shape
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -45,6 +45,31 @@ def dropout_keep_mask(rng: Array, rate: float, shape: tuple[int, ...]) -> tuple[
   return draws >= threshold, 1.0 - threshold / 256
 
 
+@jax.custom_vjp
+def tied_logits(y: Array, table: Array) -> Array:
+  """Output logits from the embedding table, y @ table.T: [..., d], [vocab, d] -> [..., vocab].
+
+  The custom VJP only changes how the table's gradient is computed: as (y^T g)^T, a
+  [d, vocab] product transposed, rather than g^T y. For the latter XLA:CPU first copies the
+  [tokens, vocab] gradient g into transposed layout, the largest array of the step.
+  """
+  return jnp.einsum("...d,vd->...v", y, table)
+
+
+def _tied_logits_fwd(y: Array, table: Array):
+  return tied_logits(y, table), (y, table)
+
+
+def _tied_logits_bwd(residuals, g: Array):
+  y, table = residuals
+  d_y = jnp.einsum("...v,vd->...d", g, table)
+  d_table = jnp.einsum("...d,...v->dv", y, g).T
+  return d_y.astype(y.dtype), d_table.astype(table.dtype)
+
+
+tied_logits.defvjp(_tied_logits_fwd, _tied_logits_bwd)
+
+
 class Dropout(nn.Module):
   """Inverted dropout like `nn.Dropout`, with the cheaper mask of `dropout_keep_mask`."""
   rate: float

@@ -250,7 +250,7 @@ class TokenEmbedding(nn.Module):
     return (embedded * jnp.sqrt(jnp.float32(c.emb_dim))).astype(c.dtype)
 
   def attend(self, y: Array) -> Array:
-    return self.embedding.attend(y.astype(jnp.float32))  # float32 logits
+    return layers.tied_logits(y.astype(jnp.float32), self.embedding.embedding)  # float32
 
 
 def _positions(c: TransformerConfig, name: str) -> layers.PositionEmbedding:
