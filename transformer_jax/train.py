@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -249,45 +250,46 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   # ---- Training loop --------------------------------------------------------------------
   result = {}
   data_state = train_batches.state  # the pipeline's position after the last batch trained on
-  batches = pipeline.prefetch(train_batches, layout.train_batch, config.prefetch_batches)
-  sums, last_log_time, last_log_step = None, time.time(), start_step
-  for step in range(start_step, config.num_train_steps):
-    batch, data_state = next(batches)
-    state, step_sums = p_train_step(state, batch, dropout_rng)
-    # Accumulated on device: the host only waits at log time.
-    sums = step_sums if sums is None else jax.tree.map(jnp.add, sums, step_sums)
-    done = step + 1
-    if done % config.log_every_steps == 0 or done == config.num_train_steps:
-      host_sums = layout.host_sums(sums)
-      train_metrics = metrics.normalize(host_sums)
-      if not np.isfinite(train_metrics["loss"]):
-        raise NonFiniteLossError(
-            f"Training loss became {train_metrics['loss']} at step {done}; stopping without "
-            "saving. Lower config.learning_rate or raise config.warmup_steps, then resume from "
-            "the last checkpoint by re-running the same command.")
-      elapsed = time.time() - last_log_time
-      steps_per_sec = (done - last_log_step) / elapsed
-      eta_min = (config.num_train_steps - done) / steps_per_sec / 60
-      lr = float(rsqrt_schedule(config.learning_rate, config.warmup_steps)(done - 1))
-      writer.write_scalars(done, {
-          "train_loss": train_metrics["loss"], "train_accuracy": train_metrics["accuracy"],
-          "learning_rate": lr, "steps_per_sec": steps_per_sec,
-          "tokens_per_sec": host_sums["denominator"] / elapsed})
-      logging.info("step %d/%d: loss %.4f, lr %.2e, %.2f steps/s, %.0f tokens/s, ETA %.1f min",
-                   done, config.num_train_steps, train_metrics["loss"], lr, steps_per_sec,
-                   host_sums["denominator"] / elapsed, eta_min)
-      sums, last_log_time, last_log_step = None, time.time(), done
-    pause_start = time.time()
-    if done % config.eval_every_steps == 0 or done == config.num_train_steps:
-      result = run_eval(done)
-    if done % config.checkpoint_every_steps == 0 or done == config.num_train_steps:
-      save(done)
-    last_log_time += time.time() - pause_start  # steps/s and tokens/s count training only
+  # Closed on every exit, an error included: that stops the prefetch thread.
+  with contextlib.closing(pipeline.prefetch(train_batches, layout.train_batch,
+                                           config.prefetch_batches)) as batches:
+    sums, last_log_time, last_log_step = None, time.time(), start_step
+    for step in range(start_step, config.num_train_steps):
+      batch, data_state = next(batches)
+      state, step_sums = p_train_step(state, batch, dropout_rng)
+      # Accumulated on device: the host only waits at log time.
+      sums = step_sums if sums is None else jax.tree.map(jnp.add, sums, step_sums)
+      done = step + 1
+      if done % config.log_every_steps == 0 or done == config.num_train_steps:
+        host_sums = layout.host_sums(sums)
+        train_metrics = metrics.normalize(host_sums)
+        if not np.isfinite(train_metrics["loss"]):
+          raise NonFiniteLossError(
+              f"Training loss became {train_metrics['loss']} at step {done}; stopping without "
+              "saving. Lower config.learning_rate or raise config.warmup_steps, then resume from "
+              "the last checkpoint by re-running the same command.")
+        elapsed = time.time() - last_log_time
+        steps_per_sec = (done - last_log_step) / elapsed
+        eta_min = (config.num_train_steps - done) / steps_per_sec / 60
+        lr = float(rsqrt_schedule(config.learning_rate, config.warmup_steps)(done - 1))
+        writer.write_scalars(done, {
+            "train_loss": train_metrics["loss"], "train_accuracy": train_metrics["accuracy"],
+            "learning_rate": lr, "steps_per_sec": steps_per_sec,
+            "tokens_per_sec": host_sums["denominator"] / elapsed})
+        logging.info("step %d/%d: loss %.4f, lr %.2e, %.2f steps/s, %.0f tokens/s, ETA %.1f min",
+                     done, config.num_train_steps, train_metrics["loss"], lr, steps_per_sec,
+                     host_sums["denominator"] / elapsed, eta_min)
+        sums, last_log_time, last_log_step = None, time.time(), done
+      pause_start = time.time()
+      if done % config.eval_every_steps == 0 or done == config.num_train_steps:
+        result = run_eval(done)
+      if done % config.checkpoint_every_steps == 0 or done == config.num_train_steps:
+        save(done)
+      last_log_time += time.time() - pause_start  # steps/s and tokens/s count training only
 
   if start_step >= config.num_train_steps:
     logging.info("Already trained to step %d.", start_step)
     result = run_eval(start_step)
-  batches.close()  # stops the prefetch thread
   manager.wait_until_finished()
   writer.flush()
   return result
