@@ -68,34 +68,26 @@ def torch_step(batch_size, seq_len, norm_first):
   return step, {"torch_version": torch.__version__, "torch_threads": torch.get_num_threads()}
 
 
-def jax_step(batch_size, seq_len):
-  """A blocking training step of this project's EncoderDecoder, as `main` trains it."""
-  import functools
-  import jax
-  import numpy as np
+def comparison_config(max_len: int):
+  """configs/demo.py with this comparison's model: the shapes above, post-LN, dropout 0.1 on
+  attention weights too, label smoothing 0.1."""
   from configs import demo
-  from transformer_jax import models
-  from transformer_jax import parallel
-  from transformer_jax import train
   config = demo.get_config()
   config.label_smoothing = 0.1
   config.model.update(vocab_size=VOCAB, emb_dim=D_MODEL, qkv_dim=D_MODEL, num_heads=HEADS,
-                      mlp_dim=FFN, num_layers=LAYERS, max_len=max(64, seq_len),
-                      dropout_rate=0.1, attention_dropout_rate=0.1, pre_ln=False)
+                      mlp_dim=FFN, num_layers=LAYERS, max_len=max_len, dropout_rate=0.1,
+                      attention_dropout_rate=0.1, pre_ln=False)
+  return config
+
+
+def jax_step(batch_size, seq_len):
+  """A blocking training step of this project's EncoderDecoder, as `main` trains it."""
+  import jax
+  from transformer_jax import benchmark
+  from transformer_jax import models
+  config = comparison_config(max(64, seq_len))
   model = models.EncoderDecoder(models.model_config(config.model))
-  layout = parallel.make_layout(config)
-  rng = np.random.default_rng(0)
-  batch = layout.train_batch({k: rng.integers(3, VOCAB, (batch_size, seq_len), dtype=np.int32)
-                              for k in ("inputs", "targets")})
-  create = functools.partial(train.create_state, config, model, jax.random.PRNGKey(0))
-  holder = {"state": layout.place_state(layout.create_state(create))}
-  train_step = train.compile_train_step(config, model, layout)
-  dropout = jax.random.PRNGKey(1)
-
-  def step():
-    holder["state"], sums = train_step(holder["state"], batch, dropout)
-    jax.block_until_ready(sums)
-
+  step = benchmark.train_step_runner(config, model, batch_size, seq_len)
   return step, {"jax_version": jax.__version__, "device": jax.devices()[0].device_kind}
 
 

@@ -20,13 +20,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def sweep(batch_sizes, seq_lens, steps):
   import jax
-  from configs import demo
+  from benchmarks.compare_pytorch import comparison_config
   from transformer_jax import benchmark
   from transformer_jax import flops
   from transformer_jax import models
-  config = demo.get_config()
-  config.model.update(vocab_size=8192, emb_dim=256, qkv_dim=256, num_heads=4, mlp_dim=1024,
-                      num_layers=3, attention_dropout_rate=0.1, max_len=max(seq_lens))
+  config = comparison_config(max_len=max(seq_lens))
   model_config = models.model_config(config.model)
   model = models.EncoderDecoder(model_config)
   peak, peak_source = flops.peak_tflops(model_config.dtype, jax.devices()[0])

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -60,9 +61,9 @@ def _timed(fn, steps: int, warmup: int) -> float:
   return (time.perf_counter() - start) / steps
 
 
-def train_speed(config, model, batch_size: int, seq_len: int, steps: int, warmup: int) -> dict:
-  """Seconds per training step (config.parallel's layout) on random tokens, and target
-  tokens per second."""
+def train_step_runner(config, model, batch_size: int, seq_len: int) -> Callable[[], None]:
+  """A call that runs one training step (config.parallel's layout) on fixed random tokens and
+  blocks until it is done; the state it updates lives in the closure."""
   layout = parallel.make_layout(config)
   rng = np.random.default_rng(0)
   batch = layout.train_batch({k: rng.integers(3, config.model.vocab_size, (batch_size, seq_len),
@@ -76,6 +77,13 @@ def train_speed(config, model, batch_size: int, seq_len: int, steps: int, warmup
     holder["state"], sums = step(holder["state"], batch, dropout)
     jax.block_until_ready(sums)
 
+  return run
+
+
+def train_speed(config, model, batch_size: int, seq_len: int, steps: int, warmup: int) -> dict:
+  """Seconds per training step (config.parallel's layout) on random tokens, and target
+  tokens per second."""
+  run = train_step_runner(config, model, batch_size, seq_len)
   start = time.perf_counter()
   run()
   compile_s = time.perf_counter() - start
