@@ -17,6 +17,7 @@ from transformer_jax import models
 from transformer_jax import predict
 from transformer_jax import tasks
 from transformer_jax import train
+from transformer_jax import workdir as workdir_lib
 from transformer_jax.data import pipeline
 
 SHARED = os.path.join(ROOT, "..", "shared", "data")
@@ -170,10 +171,10 @@ def test_tokenizer_is_trained_once_or_taken_from_a_given_model(tmp_path):
   assert again.model_proto == trained.model_proto
   # A given .model is copied into a new workdir instead of training one.
   os.makedirs(tmp_path / "b")
-  config.tokenizer.path = str(tmp_path / "a" / predict.TOKENIZER_FILE)
+  config.tokenizer.path = str(tmp_path / "a" / workdir_lib.TOKENIZER_FILE)
   given = train.load_tokenizer(config, str(tmp_path / "b"), [])
   assert given.model_proto == trained.model_proto
-  assert tokenizer_lib.Tokenizer.load(str(tmp_path / "b" / predict.TOKENIZER_FILE)
+  assert tokenizer_lib.Tokenizer.load(str(tmp_path / "b" / workdir_lib.TOKENIZER_FILE)
                                       ).model_proto == trained.model_proto
 
 

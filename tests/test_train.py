@@ -11,6 +11,7 @@ from transformer_jax import checkpoints
 from transformer_jax import commands
 from transformer_jax import predict
 from transformer_jax import train
+from transformer_jax import workdir as workdir_lib
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def test_train_and_evaluate_writes_everything(trained):
   assert np.isfinite(result["loss"]) and 0 <= result["accuracy"] <= 1
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["10", "20"]
   assert os.path.exists(os.path.join(workdir, "tokenizer.model"))
-  assert predict.load_config(workdir).model.emb_dim == config.model.emb_dim
+  assert workdir_lib.load_config(workdir).model.emb_dim == config.model.emb_dim
   assert any(f.startswith("events.out.tfevents") for f in os.listdir(workdir))
 
 
@@ -85,11 +86,11 @@ def test_restore_rejects_other_model_shape(trained, tiny_config):
   tiny_config.model.qkv_dim = 64
   with pytest.raises(checkpoints.CheckpointError, match="does not match this model"):
     train.train_and_evaluate(tiny_config, workdir)
-  assert predict.load_config(workdir).model.emb_dim == 32  # the saved config is kept
+  assert workdir_lib.load_config(workdir).model.emb_dim == 32  # the saved config is kept
 
 
 def test_evaluate_without_checkpoint_says_what_to_do(tmp_path):
-  with pytest.raises(checkpoints.CheckpointError, match="not a training workdir"):
+  with pytest.raises(workdir_lib.WorkdirError, match="not a training workdir"):
     commands.run_evaluate(str(tmp_path))
 
 

@@ -1,16 +1,32 @@
-"""Orbax checkpoints: periodic async saves named by step, keep the last N, restore, resume."""
+"""Orbax checkpoints: periodic async saves named by step, keep the last N, verified restores.
+
+Every checkpoint carries a fingerprint of its arrays (see `fingerprint`), checked after each
+restore. A checkpoint that fails to restore or to match its fingerprint is reported in one
+line and the newest good one before it is used instead; training moves the damaged ones out of
+the way (into `checkpoints_damaged/`), so nothing saved is deleted.
+"""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
+
+from transformer_jax import workdir as workdir_lib
+
+DAMAGED_DIR = "checkpoints_damaged"
 
 
 class CheckpointError(RuntimeError):
   """A checkpoint is missing or does not fit the model; the message says what to do."""
+
+
+class DamagedCheckpointError(CheckpointError):
+  """A checkpoint's files cannot be read back as they were written."""
 
 
 def manager(workdir: str, max_to_keep: int | None = 3, *, read_only: bool = False
@@ -18,18 +34,85 @@ def manager(workdir: str, max_to_keep: int | None = 3, *, read_only: bool = Fals
   """A CheckpointManager over `workdir/checkpoints/<step>`; saves are asynchronous."""
   options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=not read_only,
                                          read_only=read_only, enable_async_checkpointing=True)
-  return ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"),
-                               options=options)
+  handlers = dict(params=ocp.StandardCheckpointHandler(),
+                  opt_state=ocp.StandardCheckpointHandler(),
+                  fingerprint=ocp.JsonCheckpointHandler(), data_state=ocp.JsonCheckpointHandler())
+  return ocp.CheckpointManager(workdir_lib.path(workdir) / "checkpoints", options=options,
+                               item_handlers=handlers)
+
+
+def _as_words(x: jax.Array) -> jax.Array:
+  """The array's bits as uint32 words (narrower types widened, wider ones split)."""
+  size = jnp.dtype(x.dtype).itemsize
+  if size == 8:
+    return jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
+  unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]
+  return jax.lax.bitcast_convert_type(x, unsigned).reshape(-1).astype(jnp.uint32)
+
+
+@jax.jit
+def _leaf_fingerprints(tree: Any) -> Any:
+  def leaf(x):
+    words = _as_words(jnp.asarray(x))
+    # Wrapping uint32 sums are exact and independent of the order of summation, so the
+    # fingerprint is the same however the array is sharded; the position weights make a
+    # permutation of the values count too.
+    weights = jax.lax.iota(jnp.uint32, words.size) * jnp.uint32(2654435761) + jnp.uint32(1)
+    return jnp.stack([jnp.sum(words, dtype=jnp.uint32),
+                      jnp.sum(words * weights, dtype=jnp.uint32)])
+
+  return jax.tree.map(leaf, tree)
+
+
+def fingerprint(tree: Any) -> dict[str, list[int]]:
+  """Exact checksums of every array in `tree` (two uint32 per leaf, keyed by tree path),
+  computed where the arrays live: a flipped bit anywhere changes them."""
+  sums = _leaf_fingerprints(tree)
+  return {jax.tree_util.keystr(path): [int(v) for v in np.asarray(value)]
+          for path, value in jax.tree_util.tree_leaves_with_path(sums)}
 
 
 def save(checkpoints: ocp.CheckpointManager, step: int, params: Any, opt_state: Any,
          data_state: dict | None = None) -> None:
-  """Starts saving params, optimizer state and the input pipeline's position in the
-  background (separate items, so inference restores the parameters alone)."""
-  items = dict(params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state))
+  """Starts saving params, optimizer state, their fingerprint and the input pipeline's
+  position in the background (separate items, so inference restores the parameters alone).
+
+  Raises:
+    CheckpointError: an earlier background save failed.
+  """
+  check_background_saves(checkpoints)
+  items = dict(params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
+               fingerprint=ocp.args.JsonSave({"params": fingerprint(params),
+                                              "opt_state": fingerprint(opt_state)}))
   if data_state is not None:
     items["data_state"] = ocp.args.JsonSave(data_state)
   checkpoints.save(step, args=ocp.args.Composite(**items), force=True)
+
+
+def check_background_saves(checkpoints: ocp.CheckpointManager) -> None:
+  """Raises CheckpointError if a background save has failed since the last check."""
+  try:
+    checkpoints.check_for_errors()
+  except Exception as e:  # Orbax re-raises whatever the writing thread hit
+    raise CheckpointError(
+        f"Saving a checkpoint in {checkpoints.directory} failed: {_short(e)}. Check that the "
+        "workdir is writable and has space, then re-run the same command to resume from the "
+        "last complete checkpoint.") from None
+
+
+def wait_for_saves(checkpoints: ocp.CheckpointManager) -> None:
+  """Blocks until background saves are written; raises CheckpointError if one failed."""
+  try:
+    checkpoints.wait_until_finished()
+  except Exception as e:
+    raise CheckpointError(f"Saving a checkpoint in {checkpoints.directory} failed: "
+                          f"{_short(e)}.") from None
+  check_background_saves(checkpoints)
+
+
+def _short(error: Exception, limit: int = 300) -> str:
+  text = " ".join(str(error).split())
+  return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def _restore_target(leaf) -> jax.ShapeDtypeStruct:
@@ -43,40 +126,108 @@ def _restore_target(leaf) -> jax.ShapeDtypeStruct:
   return target
 
 
+def _shape_mismatches(checkpoints: ocp.CheckpointManager, step: int, params: Any) -> list[str]:
+  """Parameters whose saved shape differs from the model's (a config problem, not damage; the
+  optimizer state follows the parameters)."""
+  saved = checkpoints.item_metadata(step)["params"]
+  saved = getattr(saved, "tree", saved)
+  wanted = {jax.tree_util.keystr(p): tuple(x.shape)
+            for p, x in jax.tree_util.tree_leaves_with_path(params)}
+  have = {jax.tree_util.keystr(p): tuple(getattr(x, "shape", ()))
+          for p, x in jax.tree_util.tree_leaves_with_path(saved)}
+  return [f"params{key}: saved {have.get(key)}, model {wanted.get(key)}"
+          for key in sorted(set(wanted) | set(have)) if wanted.get(key) != have.get(key)]
+
+
+def _restore_step(checkpoints: ocp.CheckpointManager, step: int, items: dict,
+                  with_data_state: bool) -> dict:
+  """Restores and verifies one step. Raises CheckpointError (model mismatch) or
+  DamagedCheckpointError (unreadable or altered files)."""
+  try:
+    mismatches = _shape_mismatches(checkpoints, step, items["params"])
+  except Exception as e:
+    raise DamagedCheckpointError(f"its metadata cannot be read ({_short(e, 150)})") from None
+  if mismatches:
+    raise CheckpointError(
+        f"The checkpoint at step {step} in {checkpoints.directory} does not match this model "
+        f"(was it trained with another config.model?): {'; '.join(mismatches[:3])}"
+        f"{' ...' if len(mismatches) > 3 else ''}. Use the workdir's own config.json or a new "
+        "workdir.")
+  args = {name: ocp.args.StandardRestore(jax.tree.map(_restore_target, tree))
+          for name, tree in items.items()}
+  if with_data_state:
+    args["data_state"] = ocp.args.JsonRestore()
+  has_fingerprint = "fingerprint" in checkpoints.item_metadata(step).keys()
+  if has_fingerprint:
+    args["fingerprint"] = ocp.args.JsonRestore()
+  try:
+    restored = checkpoints.restore(step, args=ocp.args.Composite(**args))
+  except Exception as e:
+    raise DamagedCheckpointError(f"it cannot be read back ({_short(e, 150)})") from None
+  if has_fingerprint:
+    for name in items:
+      if fingerprint(restored[name]) != restored["fingerprint"][name]:
+        raise DamagedCheckpointError(f"its {name} differ from the fingerprint saved with them")
+  return restored
+
+
 def restore(checkpoints: ocp.CheckpointManager, abstract_params: Any,
             abstract_opt_state: Any = None, step: int | None = None, *,
             with_data_state: bool = False) -> tuple:
-  """Restores `step` (default: latest) into the shapes and dtypes of the abstract trees.
+  """Restores `step` (default: the newest good checkpoint) into the shapes, dtypes and
+  shardings of the abstract trees, verified against its saved fingerprint.
 
   Returns:
     (params, opt_state or None when `abstract_opt_state` is None, step), and the input
     pipeline's saved position as a fourth item when `with_data_state`.
 
   Raises:
-    CheckpointError: there is no such checkpoint, or it was saved by a different model.
+    CheckpointError: there is no such checkpoint, no readable one, or it was saved by a
+      different model.
   """
-  available = checkpoints.all_steps()
-  if step is None:
-    step = checkpoints.latest_step()
-  if step is None or step not in available:
+  available = sorted(checkpoints.all_steps(), reverse=True)
+  if step is not None and step not in available:
     raise CheckpointError(
-        f"No checkpoint{'' if step is None else f' at step {step}'} in "
-        f"{checkpoints.directory}; available steps: {sorted(available) or 'none'}. Train first "
-        "(python -m transformer_jax.main --config ... --workdir ...) or pass an available "
-        "--checkpoint_step.")
+        f"No checkpoint at step {step} in {checkpoints.directory}; available steps: "
+        f"{sorted(available) or 'none'}. Pass an available --checkpoint_step.")
+  if not available:
+    raise CheckpointError(
+        f"No checkpoint in {checkpoints.directory}. Train first (python -m transformer_jax.main "
+        "--config ... --workdir ...).")
   items = {"params": abstract_params}
   if abstract_opt_state is not None:
     items["opt_state"] = abstract_opt_state
-  args = {name: ocp.args.StandardRestore(jax.tree.map(_restore_target, tree))
-          for name, tree in items.items()}
-  if with_data_state:
-    args["data_state"] = ocp.args.JsonRestore()
-  try:
-    restored = checkpoints.restore(step, args=ocp.args.Composite(**args))
-  except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
-    raise CheckpointError(
-        f"The checkpoint at step {step} in {checkpoints.directory} does not match this model "
-        f"(was it trained with another config.model?). Use the workdir's own config.json or a "
-        f"new workdir. Details: {str(e)[:500]}") from None
-  result = (restored["params"], restored.get("opt_state"), int(step))
-  return result + (dict(restored["data_state"]),) if with_data_state else result
+  damaged = []
+  for candidate in [step] if step is not None else available:
+    try:
+      restored = _restore_step(checkpoints, candidate, items, with_data_state)
+    except DamagedCheckpointError as e:
+      logging.warning("Checkpoint %d in %s is damaged: %s.", candidate, checkpoints.directory, e)
+      damaged.append(candidate)
+      continue
+    if damaged:
+      logging.warning("Using checkpoint %d instead of the damaged %s.", candidate, damaged)
+    result = (restored["params"], restored.get("opt_state"), int(candidate))
+    return result + (dict(restored["data_state"]),) if with_data_state else result
+  raise CheckpointError(
+      f"No readable checkpoint in {checkpoints.directory}: step(s) {damaged} are damaged "
+      f"(see the warnings above). Train again in a new workdir, or restore the files.")
+
+
+def damaged_steps_after(checkpoints: ocp.CheckpointManager, step: int) -> list[int]:
+  return sorted(s for s in checkpoints.all_steps() if s > step)
+
+
+def set_aside(workdir: str, checkpoints: ocp.CheckpointManager, steps: list[int]) -> None:
+  """Moves damaged checkpoints to workdir/checkpoints_damaged/, so training can save those
+  step numbers again without deleting anything."""
+  target_dir = workdir_lib.path(workdir) / DAMAGED_DIR
+  target_dir.mkdir(parents=True, exist_ok=True)
+  for step in steps:
+    source = checkpoints.directory / str(step)
+    target = target_dir / str(step)
+    if target.exists():
+      target.rmtree()
+    source.rename(target)
+    logging.warning("Moved the damaged checkpoint %d to %s.", step, target)
+  checkpoints.reload()

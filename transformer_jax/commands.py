@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import sys
-
 from absl import logging
 
 from transformer_jax import evaluation
 from transformer_jax import metrics
 from transformer_jax import predict
 from transformer_jax import train
+from transformer_jax import workdir as workdir_lib
 
 
 def run_evaluate(workdir: str, step: int | None = None, split: str = "test",
@@ -30,23 +28,12 @@ def run_evaluate(workdir: str, step: int | None = None, split: str = "test",
   return result
 
 
-@contextlib.contextmanager
-def _open(path: str, mode: str):
-  if path == "-":
-    # Invalid UTF-8 in the input is replaced, never fatal.
-    stream = sys.stdin if "r" in mode else sys.stdout
-    stream.reconfigure(encoding="utf-8", errors="replace")
-    yield stream
-  else:
-    with open(path, mode, encoding="utf-8", errors="replace") as f:
-      yield f
-
-
 def run_predict(workdir: str, input_path: str, output_path: str, step: int | None = None,
                 average_last: int = 1) -> None:
   """One output per line of `input_path` into `output_path` ('-' = stdin / stdout)."""
   predictor = predict.Predictor.from_workdir(workdir, step, average_last)
-  with _open(input_path, "r") as source, _open(output_path, "w") as sink:
+  with workdir_lib.open_text(input_path, "r") as source, \
+      workdir_lib.open_text(output_path, "w") as sink:
     for output in predictor.predict_lines(source):
       sink.write(output.replace("\n", " ") + "\n")
       sink.flush()

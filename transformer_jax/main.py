@@ -12,6 +12,8 @@ import json
 import logging as std_logging
 import sys
 
+# Before anything reads them: gs:// through fsspec, the GCS emulator variable mapped.
+from transformer_jax import workdir as _workdir  # noqa: F401  pylint: disable=unused-import
 from absl import app
 from absl import flags
 from absl import logging
@@ -26,6 +28,8 @@ flags.DEFINE_string("input", "-", "predict: a file with one source text per line
 flags.DEFINE_string("output", "-", "predict: where outputs go, one per line, - = stdout.")
 flags.DEFINE_bool("multihost", False, "Join a multi-process run with jax.distributed.initialize: "
                   "on Cloud TPU VMs and under SLURM the other flags are found automatically.")
+flags.DEFINE_bool("verbose", False, "Show the full traceback of errors that are otherwise "
+                  "reported in one line.")
 flags.DEFINE_string("coordinator_address", None, "multihost: host:port of process 0.")
 flags.DEFINE_integer("num_processes", None, "multihost: how many processes in all.")
 flags.DEFINE_integer("process_id", None, "multihost: this process's index, 0 .. N-1.")
@@ -55,30 +59,57 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   logging.get_absl_handler().addFilter(_QuietLibraries())
+  try:
+    _run()
+  except KeyboardInterrupt:
+    print("error: interrupted; nothing was saved after the last checkpoint.", file=sys.stderr)
+    sys.exit(130)
+  except Exception as e:  # pylint: disable=broad-except
+    code = _user_error_code(e)
+    if code is None or flags.FLAGS.verbose:
+      raise
+    logging.error("%s", e)
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(code)
+
+
+def _user_error_code(error: Exception) -> int | None:
+  """The exit code of an error the user can act on from its one-line message (None: a bug,
+  shown with its traceback)."""
   # Imported here so --help stays fast and flag errors come before JAX starts.
   from transformer_jax import checkpoints
-  from transformer_jax import commands
+  from transformer_jax import run_lock
+  from transformer_jax import train
+  from transformer_jax import workdir as workdir_lib
+  if isinstance(error, run_lock.WorkdirBusyError):
+    return 75  # EX_TEMPFAIL: a restart loop should not retry at once
+  if isinstance(error, (checkpoints.CheckpointError, workdir_lib.WorkdirError,
+                        train.NonFiniteLossError, ValueError, FileNotFoundError,
+                        PermissionError)):
+    return 1
+  return None
 
+
+def _run() -> None:
+  from transformer_jax import commands  # pylint: disable=g-import-not-at-top
   workdir = flags.FLAGS.workdir
   if flags.FLAGS.multihost or flags.FLAGS.coordinator_address:
     _initialize_distributed()
-  try:
-    if flags.FLAGS.mode == "train":
-      if flags.FLAGS.config is None:
-        raise app.UsageError("Training needs --config, e.g. --config configs/demo.py.")
-      from transformer_jax import train
-      train.train_and_evaluate(flags.FLAGS.config, workdir)
-    elif flags.FLAGS.mode == "evaluate":
-      result = commands.run_evaluate(workdir, flags.FLAGS.checkpoint_step,
-                                     average_last=flags.FLAGS.average_last)
-      print(json.dumps(result), flush=True)
-    else:
-      commands.run_predict(workdir, flags.FLAGS.input, flags.FLAGS.output,
-                           flags.FLAGS.checkpoint_step, flags.FLAGS.average_last)
-  except (checkpoints.CheckpointError, ValueError, FileNotFoundError) as e:
-    logging.error("%s", e)
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
+  if flags.FLAGS.mode == "train":
+    if flags.FLAGS.config is None:
+      raise app.UsageError("Training needs --config, e.g. --config configs/demo.py.")
+    from transformer_jax import train  # pylint: disable=g-import-not-at-top
+    result = train.train_and_evaluate(flags.FLAGS.config, workdir)
+    if result.get("preempted"):
+      print(f"Stopped at step {result['step']}; checkpoint saved in {result['checkpoint_dir']}. "
+            "Re-run the same command to resume.", file=sys.stderr)
+  elif flags.FLAGS.mode == "evaluate":
+    result = commands.run_evaluate(workdir, flags.FLAGS.checkpoint_step,
+                                   average_last=flags.FLAGS.average_last)
+    print(json.dumps(result), flush=True)
+  else:
+    commands.run_predict(workdir, flags.FLAGS.input, flags.FLAGS.output,
+                         flags.FLAGS.checkpoint_step, flags.FLAGS.average_last)
 
 
 if __name__ == "__main__":

@@ -141,7 +141,7 @@ class DataParallel:
     return jax.pmap(fn, axis_name=AXIS, in_axes=(0, 0, None))
 
   def host_sums(self, tree: Any) -> Any:
-    return jax.tree.map(lambda x: np.asarray(x[0]), tree)
+    return jax.tree.map(first_local_copy, tree)
 
   def host_rows(self, tree: Any) -> Any:
     return unshard(tree)
@@ -149,7 +149,7 @@ class DataParallel:
   def checkpoint_state(self, tree: Any) -> Any:
     # Host numpy copies: every process holds the same values and Orbax writes them once
     # (per-process replicas are not global arrays, which Orbax needs).
-    return jax.device_get(jax.tree.map(lambda x: x[0], tree))
+    return jax.tree.map(first_local_copy, tree)
 
   @contextlib.contextmanager
   def tracing(self):
@@ -311,7 +311,19 @@ def replicate(tree: Any) -> Any:
 
 def unreplicate(tree: Any) -> Any:
   """The copy on the first local device."""
-  return jax.tree.map(lambda x: x[0], tree)
+  return jax.tree.map(first_local_copy, tree)
+
+
+def first_local_copy(x: Any) -> np.ndarray:
+  """Host copy of the first local device's slice of a pmap-replicated array.
+
+  Read from this process's own shard: `x[0]` would be a computation over every process's
+  devices, which deadlocks when the processes issue their indexing ops in different orders
+  (it hung two-process runs at their first checkpoint save).
+  """
+  if isinstance(x, jax.Array):
+    return np.asarray(x.addressable_shards[0].data).reshape(x.shape[1:])
+  return np.asarray(x[0])
 
 
 def shard(batch: Any) -> Any:

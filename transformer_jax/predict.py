@@ -9,8 +9,6 @@ search). Evaluation reuses `decode_fn` and `generate_ids` for its BLEU / ROUGE /
 from __future__ import annotations
 
 import functools
-import json
-import os
 from typing import Iterable, Iterator, Sequence
 
 import flax.linen as nn
@@ -21,45 +19,13 @@ import numpy as np
 from absl import logging
 
 from transformer_jax import checkpoints
-from transformer_jax import default_config
 from transformer_jax import decoding
 from transformer_jax import models
 from transformer_jax import parallel
 from transformer_jax import tasks
 from transformer_jax import tokenizer as tokenizer_lib
+from transformer_jax import workdir as workdir_lib
 from transformer_jax.data import pipeline
-
-CONFIG_FILE = "config.json"
-TOKENIZER_FILE = "tokenizer.model"
-
-
-def save_config(workdir: str, config: ml_collections.ConfigDict) -> None:
-  path = os.path.join(workdir, CONFIG_FILE)
-  with open(f"{path}.tmp{os.getpid()}", "w") as f:
-    f.write(config.to_json(indent=2))
-  os.replace(f"{path}.tmp{os.getpid()}", path)  # atomic: never a half-written config
-
-
-def load_config(workdir: str) -> ml_collections.ConfigDict:
-  path = os.path.join(workdir, CONFIG_FILE)
-  if not os.path.exists(path):
-    raise checkpoints.CheckpointError(
-        f"{path} not found: {workdir} is not a training workdir. Train first with "
-        "python -m transformer_jax.main --config configs/demo.py --workdir DIR.")
-  with open(path) as f:
-    saved = json.load(f)
-  # Keys added to the project after this workdir was trained keep their defaults.
-  return ml_collections.ConfigDict(_merged(default_config.get_config().to_dict(), saved))
-
-
-def _merged(defaults: dict, saved: dict) -> dict:
-  merged = dict(defaults)
-  for key, value in saved.items():
-    if isinstance(value, dict) and isinstance(merged.get(key), dict):
-      value = _merged(merged[key], value)
-    merged[key] = value
-  return merged
-
 
 def init_cache(model: nn.Module, batch_size: int, source_len: int, cache_len: int):
   """Zeroed decoder KV cache for `batch_size` rows and `cache_len` positions, shaped without
@@ -275,8 +241,8 @@ class Predictor:
   def from_workdir(cls, workdir: str, step: int | None = None,
                    average_last: int = 1) -> "Predictor":
     """Loads the workdir's config, tokenizer and checkpoint (latest unless `step`)."""
-    config = load_config(workdir)
-    tokenizer = tokenizer_lib.Tokenizer.load(os.path.join(workdir, TOKENIZER_FILE))
+    config = workdir_lib.load_config(workdir)
+    tokenizer = tokenizer_lib.Tokenizer.load(workdir_lib.tokenizer_path(workdir))
     layout = parallel.make_layout(config, fit_devices=True)
     params, step = restore_params(workdir, tasks.make_model(config), step, average_last, layout)
     return cls(config, tokenizer, params, step, layout)
@@ -316,7 +282,7 @@ class Predictor:
     """Streams outputs for `lines`, `chunk_size` at a time, never holding the whole input."""
     chunk = []
     for line in lines:
-      chunk.append(line.rstrip("\n"))
+      chunk.append(line.rstrip("\r\n"))
       if len(chunk) == chunk_size:
         yield from self.predict(chunk)
         chunk = []

@@ -12,6 +12,8 @@ from typing import Iterable, Sequence
 import numpy as np
 import sentencepiece as spm
 
+from transformer_jax import workdir as workdir_lib
+
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 
 
@@ -39,16 +41,13 @@ class Tokenizer:
       ids = ids[:ids.index(EOS_ID)]
     return self._sp.decode([i for i in ids if i > UNK_ID])
 
-  def save(self, path: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-      f.write(self.model_proto)
-    os.replace(tmp, path)  # atomic: a killed run never leaves a truncated model
+  def save(self, path: str | os.PathLike) -> None:
+    """Writes the model to a local path or URL; a killed run never leaves half a file."""
+    workdir_lib.write_atomic(workdir_lib.path(path), self.model_proto)
 
   @classmethod
-  def load(cls, path: str) -> "Tokenizer":
-    with open(path, "rb") as f:
-      return cls(f.read())
+  def load(cls, path: str | os.PathLike) -> "Tokenizer":
+    return cls(workdir_lib.path(path).read_bytes())
 
 
 def train_tokenizer(sentences: Iterable[str], vocab_size: int, *,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import time
 from typing import Sequence
 
@@ -15,7 +14,6 @@ import ml_collections
 import numpy as np
 import optax
 from absl import logging
-from clu import metric_writers
 from flax.training import train_state
 from jax.experimental import multihost_utils
 
@@ -24,14 +22,18 @@ from transformer_jax import evaluation
 from transformer_jax import metrics
 from transformer_jax import parallel
 from transformer_jax import predict
+from transformer_jax import preemption
+from transformer_jax import run_lock
+from transformer_jax import summary_writer
 from transformer_jax import tasks
 from transformer_jax import tokenizer as tokenizer_lib
+from transformer_jax import workdir as workdir_lib
 from transformer_jax.data import pipeline
 from transformer_jax.data import sources
 
 
 class NonFiniteLossError(RuntimeError):
-  pass
+  """The loss or the gradient norm stopped being finite; nothing was saved after it."""
 
 
 def rsqrt_schedule(peak_learning_rate: float, warmup_steps: int) -> optax.Schedule:
@@ -62,8 +64,8 @@ def load_tokenizer(config: ml_collections.ConfigDict, workdir: str,
   """The workdir's tokenizer; on first use copied from `config.tokenizer.path`, or trained on
   a seeded sample of the training split's texts (by process 0; the others wait and load it,
   so every process of a multi-host run uses the same one)."""
-  path = os.path.join(workdir, predict.TOKENIZER_FILE)
-  if jax.process_index() == 0 and not os.path.exists(path):
+  path = workdir_lib.tokenizer_path(workdir)
+  if jax.process_index() == 0 and not path.exists():
     _new_tokenizer(config, train_examples).save(path)
   if jax.process_count() > 1:  # every process passes here, whether or not it was made now
     multihost_utils.sync_global_devices("tokenizer saved")
@@ -91,8 +93,7 @@ def prepare_data(config: ml_collections.ConfigDict, workdir: str, splits=sources
   if config.overlong not in ("truncate", "drop"):
     raise ValueError(f"config.overlong={config.overlong!r}: use 'truncate' or 'drop'.")
   # The training split is read for the tokenizer only when the workdir has none yet.
-  needs_train = not (config.tokenizer.path or
-                     os.path.exists(os.path.join(workdir, predict.TOKENIZER_FILE)))
+  needs_train = not (config.tokenizer.path or workdir_lib.tokenizer_path(workdir).exists())
   examples = sources.load_examples(config, sorted(set(splits) | ({"train"} if needs_train
                                                                   else set())))
   tokenizer = load_tokenizer(config, workdir, examples.get("train", []))
@@ -160,7 +161,10 @@ def train_step(state: train_state.TrainState, batch, rng, *, model: nn.Module,
     (grads, sums), _ = jax.lax.scan(accumulate, zeros, micro_batches)
   grads = parallel.psum(grads, axis_name)
   new_state = state.apply_gradients(grads=grads)
-  return new_state, parallel.psum(sums, axis_name)
+  sums = parallel.psum(sums, axis_name)
+  # Checked on the host before every save: non-finite weights are never checkpointed.
+  finite = jnp.isfinite(sums["loss"]) & jnp.isfinite(optax.tree.norm(grads))
+  return new_state, dict(sums, nonfinite_steps=jnp.where(finite, 0.0, 1.0))
 
 
 def compile_train_step(config: ml_collections.ConfigDict, model: nn.Module, layout=None):
@@ -179,12 +183,64 @@ def create_state(config: ml_collections.ConfigDict, model: nn.Module,
                                        tx=make_optimizer(config))
 
 
+def validate_training_config(config: ml_collections.ConfigDict) -> None:
+  """Refuses settings that would fail or silently do nothing, before any file is written."""
+  for key in ("per_device_batch_size", "log_every_steps", "eval_every_steps",
+              "checkpoint_every_steps", "grad_accum_steps"):
+    if config[key] < 1:
+      raise ValueError(f"config.{key}={config[key]}: must be at least 1.")
+  if config.num_train_steps < 0:
+    raise ValueError(f"config.num_train_steps={config.num_train_steps}: must be >= 0.")
+
+
+@contextlib.contextmanager
+def _locked(workdir: str):
+  """Holds the workdir's run lock (taken by process 0; every process learns the outcome)."""
+  lock = run_lock.RunLock(workdir) if jax.process_index() == 0 else None
+  error = None
+  if lock is not None:
+    try:
+      lock.acquire()
+    except run_lock.WorkdirBusyError as e:
+      error = e
+  if jax.process_count() > 1:
+    busy = multihost_utils.broadcast_one_to_all(np.int32(error is not None))
+    if busy and error is None:
+      error = run_lock.WorkdirBusyError(f"{workdir} is held by another run (see process 0).")
+  if error is not None:
+    raise error
+  try:
+    yield
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _check_finite(host_sums: dict, step: int, manager) -> None:
+  if host_sums["nonfinite_steps"] == 0 and np.isfinite(host_sums["loss"]):
+    return
+  last_good = manager.latest_step()
+  raise NonFiniteLossError(
+      f"The training loss or gradient became non-finite by step {step}; stopped without "
+      f"saving. Last good checkpoint: {'none' if last_good is None else f'step {last_good}'} "
+      f"in {manager.directory}. Lower config.learning_rate, raise config.warmup_steps or set "
+      "config.grad_clip_norm, then re-run the same command to resume from it.")
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Trains `config` in `workdir`, resuming from its latest checkpoint; returns final eval."""
+  """Trains `config` in `workdir` (a local folder or a gs:// URL), resuming from its newest
+  good checkpoint; returns the final evaluation (with "preempted": True when a SIGTERM or
+  Ctrl-C stopped it early, after saving)."""
+  validate_training_config(config)
+  workdir_lib.path(workdir).mkdir(parents=True, exist_ok=True)
+  with _locked(workdir):
+    return _train_and_evaluate(config, workdir)
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   # ---- Setup ----------------------------------------------------------------------------
-  os.makedirs(workdir, exist_ok=True)
   is_chief = jax.process_index() == 0
-  writer = metric_writers.create_default_writer(workdir, just_logging=not is_chief)
+  writer = summary_writer.create_writer(workdir, is_chief)
   layout = parallel.make_layout(config)
   # Each optimizer step sees grad_accum_steps micro-batches of per_device_batch_size per device.
   global_batch_size = (config.per_device_batch_size * jax.device_count() *
@@ -192,6 +248,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   # ---- Data -----------------------------------------------------------------------------
   examples, tokenizer, encoded = prepare_data(config, workdir, ("train", config.eval_split))
+  if not len(encoded["train"]):
+    raise ValueError(f"The training split of config.dataset={config.dataset!r} is empty; check "
+                     "config.data_dir and config.splits.")
   train_batches = pipeline.TrainBatches(
       encoded["train"], global_batch_size, config.seed,
       pack=config.pack_examples and tasks.family(config) != "encoder_classifier",
@@ -217,15 +276,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   # ---- Restore --------------------------------------------------------------------------
   manager = checkpoints.manager(workdir, config.keep_checkpoints)
   if manager.latest_step() is not None:
-    # Restored into the new state's shardings, whatever layout and devices saved it.
+    # Restored into the new state's shardings, whatever layout and devices saved it; a
+    # damaged newest checkpoint falls back to the one before it.
     params, opt_state, step, data_state = checkpoints.restore(
         manager, state.params, state.opt_state, with_data_state=True)
+    damaged = checkpoints.damaged_steps_after(manager, step)
+    if damaged and is_chief:
+      checkpoints.set_aside(workdir, manager, damaged)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("damaged checkpoints set aside")
+      manager.reload()
     state = state.replace(step=step, params=params, opt_state=opt_state)
     train_batches.restore(data_state)
     logging.info("Resumed from checkpoint at step %d (data: epoch %d, row %d).", step,
                  data_state["epoch"], data_state["row"])
   if is_chief:  # after a successful restore: a mismatch keeps the old config
-    predict.save_config(workdir, config)
+    workdir_lib.save_config(workdir, config)
   start_step = int(state.step)
 
   # ---- Compiled steps -------------------------------------------------------------------
@@ -239,35 +305,38 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     writer.write_scalars(step, {f"eval_{k}": v for k, v in result.items()})
     if samples:
       writer.write_texts(step, {"eval_samples": "\n\n---\n\n".join(samples)})
+    writer.flush()
     logging.info("step %d eval: %s", step,
                  ", ".join(f"{k} {v:.4f}" for k, v in sorted(result.items())))
     return result
 
   def save(step: int):
+    if sums is not None:  # else checked at this step's log line
+      _check_finite(layout.host_sums(sums), step, manager)
     saved = layout.checkpoint_state(state)
     checkpoints.save(manager, step, saved.params, saved.opt_state, data_state)
+    logging.info("Saving checkpoint %d in %s (in the background).", step, manager.directory)
 
   # ---- Training loop --------------------------------------------------------------------
   result = {}
   data_state = train_batches.state  # the pipeline's position after the last batch trained on
   # Closed on every exit, an error included: that stops the prefetch thread.
   with contextlib.closing(pipeline.prefetch(train_batches, layout.train_batch,
-                                           config.prefetch_batches)) as batches:
+                                           config.prefetch_batches)) as batches, \
+      preemption.PreemptionWatcher() as watcher:
     sums, last_log_time, last_log_step = None, time.time(), start_step
     for step in range(start_step, config.num_train_steps):
       batch, data_state = next(batches)
       state, step_sums = p_train_step(state, batch, dropout_rng)
-      # Accumulated on device: the host only waits at log time.
+      # Accumulated on device: the host only waits at log and save time.
       sums = step_sums if sums is None else jax.tree.map(jnp.add, sums, step_sums)
+      checkpoints.check_background_saves(manager)
       done = step + 1
       if done % config.log_every_steps == 0 or done == config.num_train_steps:
         host_sums = layout.host_sums(sums)
-        train_metrics = metrics.normalize(host_sums)
-        if not np.isfinite(train_metrics["loss"]):
-          raise NonFiniteLossError(
-              f"Training loss became {train_metrics['loss']} at step {done}; stopping without "
-              "saving. Lower config.learning_rate or raise config.warmup_steps, then resume from "
-              "the last checkpoint by re-running the same command.")
+        _check_finite(host_sums, done, manager)
+        train_metrics = metrics.normalize(
+            {k: v for k, v in host_sums.items() if k != "nonfinite_steps"})
         elapsed = time.time() - last_log_time
         steps_per_sec = (done - last_log_step) / elapsed
         eta_min = (config.num_train_steps - done) / steps_per_sec / 60
@@ -276,11 +345,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             "train_loss": train_metrics["loss"], "train_accuracy": train_metrics["accuracy"],
             "learning_rate": lr, "steps_per_sec": steps_per_sec,
             "tokens_per_sec": host_sums["denominator"] / elapsed})
+        writer.flush()
         logging.info("step %d/%d: loss %.4f, lr %.2e, %.2f steps/s, %.0f tokens/s, ETA %.1f min",
                      done, config.num_train_steps, train_metrics["loss"], lr, steps_per_sec,
                      host_sums["denominator"] / elapsed, eta_min)
         sums, last_log_time, last_log_step = None, time.time(), done
       pause_start = time.time()
+      if watcher.should_stop(done):
+        save(done)
+        checkpoints.wait_for_saves(manager)
+        logging.info("Stopped at step %d after saving its checkpoint.", done)
+        return dict(result, preempted=True, step=done, checkpoint_dir=str(manager.directory))
       if done % config.eval_every_steps == 0 or done == config.num_train_steps:
         result = run_eval(done)
       if done % config.checkpoint_every_steps == 0 or done == config.num_train_steps:
@@ -290,6 +365,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if start_step >= config.num_train_steps:
     logging.info("Already trained to step %d.", start_step)
     result = run_eval(start_step)
-  manager.wait_until_finished()
-  writer.flush()
+  checkpoints.wait_for_saves(manager)
+  manager.close()
+  writer.close()
   return result
