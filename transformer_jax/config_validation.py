@@ -1,0 +1,175 @@
+"""One pass over a whole config before any file is read or written, or anything compiled.
+
+`validate(config)` checks every choice key against its allowed values, numeric ranges and the
+rules between keys, and raises ConfigError listing every problem at once (so one run shows
+all that needs fixing, not the first of them after an hour of training).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+import ml_collections
+
+CHOICES = {
+    "task": ("translation", "summarization", "classification", "multitask"),
+    "architecture": ("encoder_decoder", "decoder_only"),
+    "dataset": ("demo", "local", "tfds"),
+    "local.format": ("parallel", "jsonl", "tsv", "label_lines", "label_files"),
+    "tokenizer.model_type": ("bpe", "unigram", "char", "word"),
+    "overlong": ("truncate", "drop"),
+    "parallel.mode": ("pmap", "jit"),
+    "decoding.method": ("greedy", "beam", "sample"),
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.position_embedding": ("sinusoidal", "learned"),
+    "model.attention_implementation": ("reference", "xla", "cudnn", "auto"),
+    "model.remat_policy": ("full", "dots", "dots_no_batch"),
+    "model.pooling": ("mean", "first", "attention"),
+}
+
+# key: (lowest, highest or None, whether the lowest is allowed, whether the highest is)
+RANGES = {
+    "num_train_steps": (0, None, True, True),
+    "per_device_batch_size": (1, None, True, True),
+    "grad_accum_steps": (1, None, True, True),
+    "learning_rate": (0, None, False, True),
+    "warmup_steps": (0, None, True, True),
+    "label_smoothing": (0, 1, True, False),
+    "weight_decay": (0, None, True, True),
+    "grad_clip_norm": (0, None, True, True),
+    "prefetch_batches": (0, None, True, True),
+    "log_every_steps": (1, None, True, True),
+    "eval_every_steps": (1, None, True, True),
+    "checkpoint_every_steps": (1, None, True, True),
+    "keep_checkpoints": (1, None, True, True),
+    "num_generate_examples": (-1, None, True, True),
+    "max_source_length": (2, None, True, True),
+    "max_target_length": (2, None, True, True),
+    "tokenizer.num_sentences": (1, None, True, True),
+    "tokenizer.character_coverage": (0, 1, False, True),
+    "decoding.beam_size": (1, None, True, True),
+    "decoding.alpha": (0, None, True, True),
+    "decoding.temperature": (0, None, True, True),
+    "decoding.top_k": (0, None, True, True),
+    "decoding.top_p": (0, 1, False, True),
+    "decoding.max_decode_len": (0, None, True, True),
+    "model.vocab_size": (8, None, True, True),
+    "model.emb_dim": (1, None, True, True),
+    "model.num_heads": (1, None, True, True),
+    "model.num_layers": (1, None, True, True),
+    "model.qkv_dim": (1, None, True, True),
+    "model.mlp_dim": (1, None, True, True),
+    "model.max_len": (2, None, True, True),
+    "model.dropout_rate": (0, 1, True, False),
+    "model.attention_dropout_rate": (0, 1, True, False),
+    "model.num_classes": (2, None, True, True),
+}
+
+
+class ConfigError(ValueError):
+  """The config has settings that cannot work; the message lists each with what to do."""
+
+
+def _get(config: ml_collections.ConfigDict, key: str) -> Any:
+  value = config
+  for part in key.split("."):
+    if part not in value:
+      return None
+    value = value[part]
+  return value
+
+
+def _range_problem(key: str, value: Any, low, high, low_ok: bool, high_ok: bool) -> str | None:
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    return f"config.{key}={value!r} must be a number"
+  too_low = value < low if low_ok else value <= low
+  too_high = high is not None and (value > high if high_ok else value >= high)
+  if not (too_low or too_high):
+    return None
+  upper = "" if high is None else f" and {'<=' if high_ok else '<'} {high}"
+  return f"config.{key}={value} must be {'>=' if low_ok else '>'} {low}{upper}"
+
+
+def problems(config: ml_collections.ConfigDict, device_count: int | None = None) -> list[str]:
+  """Every problem with `config`, as short phrases (empty: the config is fine)."""
+  found = []
+  for key, allowed in CHOICES.items():
+    value = _get(config, key)
+    if value is not None and value not in allowed:
+      close = difflib.get_close_matches(str(value), allowed, n=1)
+      hint = f" (did you mean {close[0]!r}?)" if close else ""
+      found.append(f"config.{key}={value!r} is not one of {', '.join(allowed)}{hint}")
+  for key, bounds in RANGES.items():
+    value = _get(config, key)
+    if value is not None:
+      problem = _range_problem(key, value, *bounds)
+      if problem:
+        found.append(problem)
+  if found:
+    return found  # the rules below assume well-formed values
+  found += _cross_key_problems(config, device_count)
+  return found
+
+
+def _cross_key_problems(config: ml_collections.ConfigDict,
+                        device_count: int | None) -> list[str]:
+  found = []
+  m = config.model
+  if m.qkv_dim % m.num_heads:
+    found.append(f"config.model.qkv_dim={m.qkv_dim} must be divisible by "
+                 f"config.model.num_heads={m.num_heads}")
+  if m.attention_implementation == "cudnn" and m.dtype == "float32":
+    found.append("config.model.attention_implementation='cudnn' needs config.model.dtype "
+                 "'bfloat16' or 'float16' (cuDNN attention has no float32 kernel)")
+  if config.eval_split not in config.splits:
+    found.append(f"config.eval_split={config.eval_split!r} is not a key of config.splits "
+                 f"({', '.join(config.splits)})")
+  if config.dataset == "local" and not config.data_dir and config.task != "multitask":
+    found.append("config.dataset='local' needs config.data_dir: pass --config.data_dir=FOLDER of the corpus")
+  if config.dataset == "tfds" and not config.tfds.name:
+    found.append("config.dataset='tfds' needs config.tfds.name")
+  if config.task == "multitask" and not config.mixture:
+    found.append("config.task='multitask' needs config.mixture (see configs/multitask.py)")
+  if config.task == "classification" and len(config.label_names) != m.num_classes:
+    found.append(f"config.label_names has {len(config.label_names)} names but "
+                 f"config.model.num_classes={m.num_classes}")
+  if config.task != "classification":
+    longest = (config.max_source_length + config.max_target_length
+               if config.architecture == "decoder_only" else
+               max(config.max_source_length, config.max_target_length))
+    if longest > m.max_len:
+      found.append(f"config.model.max_len={m.max_len} is shorter than the longest sequence "
+                   f"the model sees ({longest} tokens from max_source_length / "
+                   "max_target_length); raise max_len or lower those")
+    if config.decoding.max_decode_len > m.max_len:
+      found.append(f"config.decoding.max_decode_len={config.decoding.max_decode_len} is longer "
+                   f"than config.model.max_len={m.max_len}")
+  elif config.max_source_length > m.max_len:
+    found.append(f"config.max_source_length={config.max_source_length} is longer than "
+                 f"config.model.max_len={m.max_len}")
+  if config.parallel.mode == "jit" and device_count is not None:
+    sizes = [config.parallel.data, config.parallel.fsdp, config.parallel.tensor]
+    fixed = [s for s in sizes if s != -1]
+    product = 1
+    for s in fixed:
+      product *= s
+    if sizes.count(-1) > 1 or any(s < 1 for s in fixed) or (
+        device_count % product if sizes.count(-1) else product != device_count):
+      found.append(f"config.parallel data x fsdp x tensor = {sizes} does not fit {device_count} "
+                   "devices (their product must be the device count; one may be -1 = the rest)")
+  return found
+
+
+def validate(config: ml_collections.ConfigDict, device_count: int | None = None) -> None:
+  """Raises ConfigError naming every problem of `config` (nothing is read or written)."""
+  found = problems(config, device_count)
+  if found:
+    raise ConfigError("; ".join(found) + ".")
+
+
+def override_error(error: Exception) -> str:
+  """A one-line message for a bad --config flag (a misspelt key, a missing or broken file)."""
+  text = str(error).replace("\\'", "'").replace("\\n", " ")
+  text = " ".join(text.strip("'\"").split())
+  return text[:400]
