@@ -2,38 +2,138 @@
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import stat
+import sys
+from typing import IO, Iterator
+
+import ml_collections
 from absl import logging
 
 from transformer_jax import evaluation
 from transformer_jax import metrics
+from transformer_jax import models
 from transformer_jax import predict
+from transformer_jax import summary_writer
 from transformer_jax import train
 from transformer_jax import workdir as workdir_lib
 
 
+def decoding_tag(decoding_config: ml_collections.ConfigDict, average_last: int = 1) -> str:
+  """A folder name for outputs of one decoding setting, e.g. beam4_alpha0.6 or greedy."""
+  d = decoding_config
+  tag = {"beam": f"beam{d.beam_size}_alpha{d.alpha}", "greedy": "greedy",
+         "sample": f"sample_t{d.temperature}_k{d.top_k}_p{d.top_p}_seed{d.seed}"}[d.method]
+  if d.max_decode_len:
+    tag += f"_len{d.max_decode_len}"
+  return tag + (f"_avg{average_last}" if average_last > 1 else "")
+
+
 def run_evaluate(workdir: str, step: int | None = None, split: str = "test",
-                 average_last: int = 1) -> dict:
-  """Task metrics of the workdir's checkpoint (latest unless `step`; the mean of the last
-  `average_last` checkpoints up to it) on every example of `split`."""
-  predictor = predict.Predictor.from_workdir(workdir, step, average_last)
-  config = predictor.config
+                 average_last: int = 1, config: ml_collections.ConfigDict | None = None) -> dict:
+  """Task metrics of the workdir's checkpoint (the newest good one unless `step`; the mean of
+  the last `average_last` checkpoints up to it) on every example of `split`, decoded with
+  `config.decoding` (default: the saved config's).
+
+  Writes WORKDIR/eval/step_N/SPLIT_DECODING/ with metrics.json and, one line per example in
+  order, hypotheses.txt, sources.txt and references.txt; logs the metrics to TensorBoard in
+  the run WORKDIR/eval_SPLIT.
+  """
+  config = config or workdir_lib.load_config(workdir)
+  if split not in config.splits:
+    raise ValueError(f"--split {split}: not a split of this workdir's config.splits "
+                     f"({', '.join(config.splits)}).")
+  predictor = predict.Predictor.from_workdir(workdir, step, average_last, config)
   examples, _, encoded = train.prepare_data(config, workdir, (split,))
   evaluator = evaluation.Evaluator(config, predictor)
-  result, _ = evaluator.evaluate(predictor.device_params, encoded[split], examples[split])
+  result, rows = evaluator.evaluate_with_outputs(predictor.device_params, encoded[split],
+                                                 examples[split])
   result.update(step=predictor.step, split=split, examples=len(encoded[split]),
                 decoding=config.decoding.method, average_last=average_last)
   if "bleu" in result or config.task == "multitask":
     result["bleu_signature"] = metrics.bleu_signature()
+  outputs_dir = (workdir_lib.path(workdir) / "eval" / f"step_{predictor.step}" /
+                 f"{split}_{decoding_tag(config.decoding, average_last)}")
+  result["outputs"] = os.fspath(outputs_dir)
+  _write_outputs(outputs_dir, result, config.decoding, rows)
+  writer = summary_writer.EventFileWriter(os.fspath(workdir_lib.path(workdir) / f"eval_{split}"))
+  writer.write_scalars(predictor.step, {k: v for k, v in result.items()
+                                        if isinstance(v, (int, float)) and k != "step"})
+  writer.close()
   logging.info("Evaluated step %d on %s: %s", predictor.step, split, result)
   return result
 
 
+def _write_outputs(folder, result: dict, decoding_config: ml_collections.ConfigDict,
+                   rows: list[dict]) -> None:
+  folder.mkdir(parents=True, exist_ok=True)
+  record = dict(result, decoding_config=decoding_config.to_dict())
+  (folder / "metrics.json").write_text(json.dumps(record, indent=2) + "\n")
+  for name, key in (("hypotheses.txt", "output"), ("sources.txt", "source"),
+                    ("references.txt", "reference")):
+    # One line per example: line breaks inside a text become spaces.
+    (folder / name).write_text("".join(" ".join(r[key].splitlines()) + "\n" for r in rows))
+
+
+def _is_interactive(input_path: str) -> bool:
+  """stdin from a terminal or a pipe: answer each line as it arrives."""
+  if input_path != "-":
+    return False
+  try:
+    mode = os.fstat(sys.stdin.fileno()).st_mode
+  except (OSError, ValueError):
+    return False
+  return sys.stdin.isatty() or stat.S_ISFIFO(mode)
+
+
+def _lines(source: IO[str]) -> Iterator[str]:
+  return iter(source.readline, "")  # readline: no read-ahead past the line on a pipe
+
+
 def run_predict(workdir: str, input_path: str, output_path: str, step: int | None = None,
-                average_last: int = 1) -> None:
-  """One output per line of `input_path` into `output_path` ('-' = stdin / stdout)."""
-  predictor = predict.Predictor.from_workdir(workdir, step, average_last)
+                average_last: int = 1, config: ml_collections.ConfigDict | None = None,
+                nbest: int = 1, output_format: str = "text") -> None:
+  """Outputs for each line of `input_path` into `output_path` ('-' = stdin / stdout; local
+  paths or URLs such as gs://).
+
+  `output_format` 'text': the best output per input line, or with `nbest` > 1 the Moses
+  n-best format `INDEX ||| TEXT ||| SCORE`, n lines per input. 'jsonl': one JSON object per
+  input line, {"source", "outputs": [{"text", "score"}, ...]} best first (a classifier:
+  {"source", "label", "probabilities": {name: p}}). Reading a terminal or a pipe, each line is
+  answered (and flushed) as it arrives; files go in batches.
+  """
+  predictor = predict.Predictor.from_workdir(workdir, step, average_last, config)
+  classifier = isinstance(predictor.model, models.EncoderClassifier)
+  if classifier and output_format == "jsonl":
+    nbest = predictor.config.model.num_classes  # every class's probability
+  predict.check_nbest(predictor.config.decoding, nbest,
+                      predictor.config.model.num_classes if classifier else None)
+  chunk_size = 1 if _is_interactive(input_path) else 1024
+  index = 0
   with workdir_lib.open_text(input_path, "r") as source, \
       workdir_lib.open_text(output_path, "w") as sink:
-    for output in predictor.predict_lines(source):
-      sink.write(output.replace("\n", " ") + "\n")
+    for chunk in predict.chunk_lines(_lines(source), chunk_size):
+      if output_format == "text" and nbest == 1:
+        lines = [" ".join(o.splitlines()) for o in predictor.predict(chunk)]
+      else:
+        results = predictor.predict_nbest(chunk, nbest)
+        lines = [_format(text, outputs, index + i, output_format, classifier)
+                 for i, (text, outputs) in enumerate(zip(chunk, results))]
+      index += len(chunk)
+      sink.write("".join(line + "\n" for line in lines))
       sink.flush()
+
+
+def _format(source: str, outputs: list[tuple[str, float]], index: int, output_format: str,
+            classifier: bool) -> str:
+  outputs = [(" ".join(text.splitlines()), score) for text, score in outputs]
+  if output_format == "text":
+    return "\n".join(f"{index} ||| {text} ||| {score:.4f}" for text, score in outputs)
+  if classifier:
+    return json.dumps(dict(source=source, label=outputs[0][0] if outputs else None,
+                           probabilities={t: math.exp(s) for t, s in outputs}),
+                      ensure_ascii=False)
+  return json.dumps(dict(source=source, outputs=[dict(text=t, score=s) for t, s in outputs]),
+                    ensure_ascii=False)

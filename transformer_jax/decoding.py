@@ -22,36 +22,44 @@ NEG_INF = -1.0e7  # finite, so that sums and comparisons of dead beams stay well
 
 def _decode_loop(cache: Any, tokens_to_logits: TokensToLogits,
                  choose: Callable[[Array, Array], Array], *, batch_size: int, bos_id: int,
-                 eos_id: int, max_decode_len: int) -> Array:
+                 eos_id: int, max_decode_len: int, return_logprobs: bool = False):
   """Feeds each chosen token back until every row has produced EOS or max_decode_len tokens.
 
   Returns:
-    int32 [batch, max_decode_len] tokens, EOS included, zeros after it.
+    int32 [batch, max_decode_len] tokens, EOS included, zeros after it; with
+    `return_logprobs` also float32 [batch]: each row's log-probability under the model (the
+    unfiltered softmax at temperature 1), EOS included.
   """
 
   def cond(state):
-    step, _, _, finished, _ = state
+    step, _, _, finished, _, _ = state
     return (step < max_decode_len) & ~jnp.all(finished)
 
   def body(state):
-    step, last, sequences, finished, cache = state
+    step, last, sequences, finished, logprobs, cache = state
     logits, cache = tokens_to_logits(last, cache)  # [batch, vocab]
-    token = jnp.where(finished, 0, choose(logits.astype(jnp.float32), step))  # [batch]
+    logits = logits.astype(jnp.float32)
+    token = jnp.where(finished, 0, choose(logits, step))  # [batch]
+    token_logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=-1)
+    logprobs = logprobs + jnp.where(finished, 0.0, token_logprob[:, 0])
     sequences = jax.lax.dynamic_update_slice(sequences, token[:, None], (0, step))
-    return step + 1, token[:, None], sequences, finished | (token == eos_id), cache
+    return step + 1, token[:, None], sequences, finished | (token == eos_id), logprobs, cache
 
   state = (jnp.array(0), jnp.full((batch_size, 1), bos_id, jnp.int32),
            jnp.zeros((batch_size, max_decode_len), jnp.int32),
-           jnp.zeros((batch_size,), jnp.bool_), cache)
-  return jax.lax.while_loop(cond, body, state)[2]
+           jnp.zeros((batch_size,), jnp.bool_), jnp.zeros((batch_size,), jnp.float32), cache)
+  _, _, sequences, _, logprobs, _ = jax.lax.while_loop(cond, body, state)
+  return (sequences, logprobs) if return_logprobs else sequences
 
 
 def greedy_search(cache: Any, tokens_to_logits: TokensToLogits, *, batch_size: int,
-                  bos_id: int, eos_id: int, max_decode_len: int) -> Array:
-  """Most likely token at every step. Returns [batch, max_decode_len] tokens."""
+                  bos_id: int, eos_id: int, max_decode_len: int, return_logprobs: bool = False):
+  """Most likely token at every step. Returns [batch, max_decode_len] tokens (and their
+  log-probabilities [batch] with `return_logprobs`)."""
   choose = lambda logits, step: jnp.argmax(logits, axis=-1).astype(jnp.int32)
   return _decode_loop(cache, tokens_to_logits, choose, batch_size=batch_size, bos_id=bos_id,
-                      eos_id=eos_id, max_decode_len=max_decode_len)
+                      eos_id=eos_id, max_decode_len=max_decode_len,
+                      return_logprobs=return_logprobs)
 
 
 def filter_logits(logits: Array, top_k: int = 0, top_p: float = 1.0) -> Array:
@@ -73,21 +81,22 @@ def filter_logits(logits: Array, top_k: int = 0, top_p: float = 1.0) -> Array:
 
 def sample(cache: Any, tokens_to_logits: TokensToLogits, rng: Array, *, batch_size: int,
            bos_id: int, eos_id: int, max_decode_len: int, temperature: float = 1.0,
-           top_k: int = 0, top_p: float = 1.0) -> Array:
+           top_k: int = 0, top_p: float = 1.0, return_logprobs: bool = False):
   """Samples from softmax(filtered logits / temperature), seeded by `rng`.
 
-  temperature 0 is greedy; top_k=1 is greedy. Returns [batch, max_decode_len] tokens.
+  temperature 0 is greedy; top_k=1 is greedy. Returns [batch, max_decode_len] tokens (and
+  their log-probabilities under the model [batch] with `return_logprobs`).
   """
+  common = dict(batch_size=batch_size, bos_id=bos_id, eos_id=eos_id,
+                max_decode_len=max_decode_len, return_logprobs=return_logprobs)
   if temperature == 0.0:
-    return greedy_search(cache, tokens_to_logits, batch_size=batch_size, bos_id=bos_id,
-                         eos_id=eos_id, max_decode_len=max_decode_len)
+    return greedy_search(cache, tokens_to_logits, **common)
 
   def choose(logits, step):
     logits = filter_logits(logits / temperature, top_k, top_p)
     return jax.random.categorical(jax.random.fold_in(rng, step), logits).astype(jnp.int32)
 
-  return _decode_loop(cache, tokens_to_logits, choose, batch_size=batch_size, bos_id=bos_id,
-                      eos_id=eos_id, max_decode_len=max_decode_len)
+  return _decode_loop(cache, tokens_to_logits, choose, **common)
 
 
 # ---- Beam search ---------------------------------------------------------------------------
@@ -102,7 +111,7 @@ def flat_batch_beam_expand(x: Array, beam_size: int) -> Array:
   return jnp.repeat(x, beam_size, axis=0)
 
 
-def _expand_cache(cache: Any, beam_size: int) -> Any:
+def expand_cache(cache: Any, beam_size: int) -> Any:
   # Scalars (cache indices) are shared by all rows.
   return jax.tree.map(lambda x: x if x.ndim == 0 else flat_batch_beam_expand(x, beam_size),
                       cache)
@@ -162,7 +171,7 @@ def beam_search(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, *,
   live_logprobs = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (batch_size, 1))
   state = (jnp.array(0), live_seqs, live_logprobs, jnp.zeros_like(live_seqs),
            jnp.full((batch_size, k), NEG_INF, jnp.float32), jnp.zeros((batch_size,), jnp.int32),
-           _expand_cache(cache, k))
+           expand_cache(cache, k))
 
   def cond(state):
     step, _, live_logprobs, _, finished_scores, _, _ = state

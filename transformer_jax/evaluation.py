@@ -66,6 +66,20 @@ class Evaluator:
     Loss and accuracy use every example; generated metrics use the first
     `num_generate_examples` (-1 = all; a classifier always uses all, its outputs are cheap).
     """
+    result, rows = self.evaluate_with_outputs(device_params, data, examples,
+                                              num_generate_examples)
+    samples = [f"**source:** {r['source'][:2000]}\n\n**output:** {r['output']}\n\n"
+               f"**reference:** {r['reference']}" for r in rows[:3]]
+    for sample in samples:
+      logging.info("example: %s", sample.replace("\n\n", " | "))
+    return result, samples
+
+  def evaluate_with_outputs(self, device_params, data: pipeline.Encoded,
+                            examples: Sequence[dict], num_generate_examples: int = -1,
+                            decoding_config: ml_collections.ConfigDict | None = None
+                            ) -> tuple[dict, list[dict]]:
+    """Like `evaluate`, with every generated output as {source, output, reference}, in order
+    (decoded with `decoding_config`, default the config's)."""
     self.predictor.device_params = device_params
     result = self.loss_and_accuracy(device_params, data)
     task = self.config.task
@@ -74,15 +88,14 @@ class Evaluator:
     if not n:
       return result, []
     prompts = tasks.prompt_tokens(data.subset(range(n))).features["inputs"]
-    output_ids = self.predictor.output_ids(prompts)
+    output_ids = self.predictor.output_ids(prompts, decoding_config=decoding_config)
+    outputs = [self.predictor.output_text(ids) for ids in output_ids]
     if task == "classification":
       predicted = [int(ids[0]) for ids in output_ids]
       result.update(metrics.classification_scores(predicted, data.labels[:n],
                                                   self.config.model.num_classes))
-      outputs = [self.predictor.output_text(ids) for ids in output_ids]
       references = [self.predictor.output_text([e["label"]]) for e in examples[:n]]
     else:
-      outputs = [self.predictor.output_text(ids) for ids in output_ids]
       references = [e["target"] for e in examples[:n]]
       if task == "multitask":
         for part in sorted({e["task"] for e in examples[:n]}):
@@ -92,8 +105,6 @@ class Evaluator:
           result.update({f"{part}_{k}": v for k, v in part_result.items()})
       else:
         result.update(text_metrics(task, outputs, references))
-    samples = [f"**source:** {e['source'][:2000]}\n\n**output:** {o}\n\n**reference:** {r}"
-               for e, o, r in list(zip(examples, outputs, references))[:3]]
-    for sample in samples:
-      logging.info("example: %s", sample.replace("\n\n", " | "))
-    return result, samples
+    rows = [dict(source=e["source"], output=o, reference=r)
+            for e, o, r in zip(examples, outputs, references)]
+    return result, rows

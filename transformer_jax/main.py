@@ -10,6 +10,7 @@ Several hosts (see launch/): add --multihost on Cloud TPU VMs and under SLURM, o
 
 import json
 import logging as std_logging
+import os
 import sys
 
 # Before anything reads them: gs:// through fsspec, the GCS emulator variable mapped.
@@ -26,6 +27,13 @@ flags.DEFINE_integer("average_last", 1, "evaluate / predict: average the paramet
                      "N checkpoints (up to --checkpoint_step), as the paper does with 5 or 20.")
 flags.DEFINE_string("input", "-", "predict: a file with one source text per line, - = stdin.")
 flags.DEFINE_string("output", "-", "predict: where outputs go, one per line, - = stdout.")
+flags.DEFINE_string("split", "test", "evaluate: the split to score (validation, test, or any "
+                    "key of config.splits).")
+flags.DEFINE_integer("nbest", 1, "predict: outputs per input, best first (beam search: up to "
+                     "decoding.beam_size; sampling: that many samples).")
+flags.DEFINE_enum("output_format", "text", ["text", "jsonl"], "predict: 'text' = the best "
+                  "output per line; 'jsonl' = one JSON object per input line with every output "
+                  "and its score (log-probability).")
 flags.DEFINE_bool("multihost", False, "Join a multi-process run with jax.distributed.initialize: "
                   "on Cloud TPU VMs and under SLURM the other flags are found automatically.")
 flags.DEFINE_bool("verbose", False, "Show the full traceback of errors that are otherwise "
@@ -62,15 +70,28 @@ def main(argv):
   try:
     _run()
   except KeyboardInterrupt:
-    print("error: interrupted; nothing was saved after the last checkpoint.", file=sys.stderr)
-    sys.exit(130)
+    _fail("interrupted; nothing was saved after the last checkpoint.", 130)
+  except BrokenPipeError:
+    # The reader went away (predict piped into `head`): nothing to report.
+    sys.stderr.close()
+    os._exit(0)  # pylint: disable=protected-access
   except Exception as e:  # pylint: disable=broad-except
     code = _user_error_code(e)
     if code is None or flags.FLAGS.verbose:
       raise
-    logging.error("%s", e)
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(code)
+    _fail(_one_line(e), code)
+
+
+def _fail(message: str, code: int) -> None:
+  logging.error("%s", message)
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(code)
+
+
+def _one_line(error: Exception) -> str:
+  if isinstance(error, OSError) and error.strerror:
+    return f"{error.strerror}: {error.filename or ''} (check the path, its permissions and free space)"
+  return " ".join(str(error).split())
 
 
 def _user_error_code(error: Exception) -> int | None:
@@ -78,39 +99,95 @@ def _user_error_code(error: Exception) -> int | None:
   shown with its traceback)."""
   # Imported here so --help stays fast and flag errors come before JAX starts.
   from transformer_jax import checkpoints
+  from transformer_jax import config_validation
   from transformer_jax import run_lock
   from transformer_jax import train
   from transformer_jax import workdir as workdir_lib
+  if isinstance(error, config_validation.ConfigError):
+    return 2
   if isinstance(error, run_lock.WorkdirBusyError):
     return 75  # EX_TEMPFAIL: a restart loop should not retry at once
   if isinstance(error, (checkpoints.CheckpointError, workdir_lib.WorkdirError,
-                        train.NonFiniteLossError, ValueError, FileNotFoundError,
-                        PermissionError)):
+                        train.NonFiniteLossError, ValueError, OSError)):
     return 1
   return None
+
+
+def _inference_config():
+  """The saved config with this command's overrides, refused if they touch the model or its
+  data (the checkpoint fixes those)."""
+  from transformer_jax import config_validation  # pylint: disable=g-import-not-at-top
+  from transformer_jax import saved_config  # pylint: disable=g-import-not-at-top
+  from transformer_jax import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  config = flags.FLAGS.config
+  changes = saved_config.fixed_key_changes(workdir_lib.load_config(flags.FLAGS.workdir), config)
+  if changes:
+    raise config_validation.ConfigError(
+        f"--mode {flags.FLAGS.mode} cannot change what the checkpoint was trained with: "
+        f"{'; '.join(changes)}. Override only decoding.* and run settings.")
+  config_validation.validate(config)
+  return config
 
 
 def _run() -> None:
   from transformer_jax import commands  # pylint: disable=g-import-not-at-top
   workdir = flags.FLAGS.workdir
+  if flags.FLAGS.mode == "train" and flags.FLAGS.config is None:
+    raise app.UsageError("Training needs --config, e.g. --config configs/demo.py.")
   if flags.FLAGS.multihost or flags.FLAGS.coordinator_address:
     _initialize_distributed()
   if flags.FLAGS.mode == "train":
-    if flags.FLAGS.config is None:
-      raise app.UsageError("Training needs --config, e.g. --config configs/demo.py.")
     from transformer_jax import train  # pylint: disable=g-import-not-at-top
     result = train.train_and_evaluate(flags.FLAGS.config, workdir)
     if result.get("preempted"):
       print(f"Stopped at step {result['step']}; checkpoint saved in {result['checkpoint_dir']}. "
             "Re-run the same command to resume.", file=sys.stderr)
   elif flags.FLAGS.mode == "evaluate":
-    result = commands.run_evaluate(workdir, flags.FLAGS.checkpoint_step,
-                                   average_last=flags.FLAGS.average_last)
+    result = commands.run_evaluate(workdir, flags.FLAGS.checkpoint_step, flags.FLAGS.split,
+                                   average_last=flags.FLAGS.average_last,
+                                   config=_inference_config())
     print(json.dumps(result), flush=True)
   else:
     commands.run_predict(workdir, flags.FLAGS.input, flags.FLAGS.output,
-                         flags.FLAGS.checkpoint_step, flags.FLAGS.average_last)
+                         flags.FLAGS.checkpoint_step, flags.FLAGS.average_last,
+                         config=_inference_config(), nbest=flags.FLAGS.nbest,
+                         output_format=flags.FLAGS.output_format)
+
+
+def _flag_value(argv: list[str], name: str) -> str | None:
+  for i, arg in enumerate(argv):
+    if arg in (f"--{name}", f"-{name}") and i + 1 < len(argv):
+      return argv[i + 1]
+    if arg.startswith((f"--{name}=", f"-{name}=")):
+      return arg.split("=", 1)[1]
+  return None
+
+
+def with_saved_config(argv: list[str]) -> list[str]:
+  """Evaluate / predict without --config read the workdir's saved config (so that
+  --config.decoding.* overrides apply to it)."""
+  if _flag_value(argv, "mode") in ("evaluate", "predict") and _flag_value(argv, "config") is None:
+    workdir = _flag_value(argv, "workdir")
+    if workdir:
+      return argv + [f"--config={os.path.join(os.path.dirname(__file__), 'saved_config.py')}:"
+                     f"{workdir}"]
+  return argv
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with a bad --config (missing or broken file, misspelt key, saved
+  config missing) reported in one line instead of a traceback."""
+  try:
+    return flags.FLAGS(with_saved_config(argv))
+  except flags.Error as e:
+    print(f"error: {e}\nPass --help for the flags.", file=sys.stderr)
+  except Exception as e:  # pylint: disable=broad-except
+    if "--verbose" in argv:
+      raise
+    from transformer_jax import config_validation  # pylint: disable=g-import-not-at-top
+    print(f"error: --config: {config_validation.override_error(e)}", file=sys.stderr)
+  sys.exit(2)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

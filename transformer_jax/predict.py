@@ -8,7 +8,10 @@ search). Evaluation reuses `decode_fn` and `generate_ids` for its BLEU / ROUGE /
 
 from __future__ import annotations
 
+import collections
+import difflib
 import functools
+import json
 from typing import Iterable, Iterator, Sequence
 
 import flax.linen as nn
@@ -19,6 +22,7 @@ import numpy as np
 from absl import logging
 
 from transformer_jax import checkpoints
+from transformer_jax import config_validation
 from transformer_jax import decoding
 from transformer_jax import models
 from transformer_jax import parallel
@@ -96,47 +100,77 @@ def _prefix_lm_start(model: models.DecoderOnly, params, prompts, max_len: int, r
 
 
 def _generate(params, inputs, rng, *, model: nn.Module,
-              decoding_config: ml_collections.ConfigDict, max_len: int):
-  """[b, src_len] source tokens -> [b, max_len] output tokens, with the KV cache."""
+              decoding_config: ml_collections.ConfigDict, max_len: int, nbest: int = 1):
+  """[b, src_len] source tokens -> ([b, nbest, max_len] output tokens, [b, nbest] scores),
+  best first, with the KV cache. Scores are what the search ranks by: the length-penalised
+  log-probability for beam search, the log-probability for greedy and sampled outputs."""
   d = decoding_config
   beam = d.method == "beam"
   batch_size = inputs.shape[0]
-  rows = batch_size * d.beam_size if beam else batch_size
+  copies = d.beam_size if beam else nbest  # rows per input the callback sees
+  rows = batch_size * copies
   if isinstance(model, models.DecoderOnly):
     cache, tokens_to_logits = _prefix_lm_start(model, params, inputs, max_len, rows)
     start = tokenizer_lib.EOS_ID
   else:
     encoded = model.apply({"params": params}, inputs, deterministic=True, method=model.encode)
     source = inputs
-    if beam:  # the callback sees [batch * beam] rows
-      encoded = decoding.flat_batch_beam_expand(encoded, d.beam_size)
-      source = decoding.flat_batch_beam_expand(inputs, d.beam_size)
+    if copies > 1:
+      encoded = decoding.flat_batch_beam_expand(encoded, copies)
+      source = decoding.flat_batch_beam_expand(inputs, copies)
     tokens_to_logits = cached_tokens_to_logits(model, params, encoded, source)
     cache = init_cache(model, batch_size, inputs.shape[1], max_len)
     start = model.config.bos_id
   common = dict(eos_id=tokenizer_lib.EOS_ID, max_decode_len=max_len, bos_id=start)
   if beam:
-    sequences, _ = decoding.beam_search(inputs, cache, tokens_to_logits, beam_size=d.beam_size,
-                                        alpha=d.alpha, **common)
-    return sequences[:, 0]
+    sequences, scores = decoding.beam_search(inputs, cache, tokens_to_logits,
+                                             beam_size=d.beam_size, alpha=d.alpha, **common)
+    return sequences[:, :nbest], scores[:, :nbest]
+  if nbest > 1:  # independent samples of each input, ranked by log-probability
+    cache = decoding.expand_cache(cache, nbest)
   if d.method == "greedy":
-    return decoding.greedy_search(cache, tokens_to_logits, batch_size=batch_size, **common)
-  if d.method == "sample":
-    return decoding.sample(cache, tokens_to_logits, rng, batch_size=batch_size,
-                           temperature=d.temperature, top_k=d.top_k, top_p=d.top_p, **common)
-  raise ValueError(f"Unknown config.decoding.method={d.method!r}; use 'greedy', 'beam' or "
-                   "'sample'.")
+    tokens, scores = decoding.greedy_search(cache, tokens_to_logits, batch_size=rows,
+                                            return_logprobs=True, **common)
+  else:
+    tokens, scores = decoding.sample(cache, tokens_to_logits, rng, batch_size=rows,
+                                     temperature=d.temperature, top_k=d.top_k, top_p=d.top_p,
+                                     return_logprobs=True, **common)
+  tokens, scores = tokens.reshape(batch_size, nbest, -1), scores.reshape(batch_size, nbest)
+  order = jnp.argsort(-scores, axis=1)
+  return (jnp.take_along_axis(tokens, order[:, :, None], axis=1),
+          jnp.take_along_axis(scores, order, axis=1))
 
 
-def _classify(params, inputs, rng, *, model: models.EncoderClassifier):
+def _classify(params, inputs, rng, *, model: models.EncoderClassifier, nbest: int = 1):
+  """([b, nbest, 1] class ids, [b, nbest] log-probabilities), most likely first."""
   del rng
   logits = model.apply({"params": params}, inputs, deterministic=True)
-  return jnp.argmax(logits, axis=-1)[:, None]  # [b, 1]: the class id
+  scores, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32)), nbest)
+  return ids[:, :, None], scores
 
 
-def decode_fn(model: nn.Module, decoding_config: ml_collections.ConfigDict, layout=None):
-  """(placed params, placed inputs, rng) -> output tokens ([.., 1] class ids for a
-  classifier), compiled by `layout` (default pmap) once per source length."""
+def check_nbest(decoding_config: ml_collections.ConfigDict, nbest: int,
+                num_classes: int | None = None) -> None:
+  """Raises ValueError when the decoding method cannot give `nbest` outputs."""
+  d = decoding_config
+  if nbest < 1:
+    raise ValueError(f"nbest={nbest}: ask for at least 1 output.")
+  if num_classes is not None:
+    if nbest > num_classes:
+      raise ValueError(f"nbest={nbest}: the classifier has only {num_classes} classes.")
+  elif d.method == "beam" and nbest > d.beam_size:
+    raise ValueError(f"nbest={nbest} needs decoding.beam_size >= {nbest} (it is "
+                     f"{d.beam_size}).")
+  elif d.method == "greedy" and nbest > 1:
+    raise ValueError(f"nbest={nbest}: greedy search gives one output; use decoding.method "
+                     "'beam' (beam_size >= nbest) or 'sample'.")
+
+
+def decode_fn(model: nn.Module, decoding_config: ml_collections.ConfigDict, layout=None,
+              nbest: int = 1):
+  """(placed params, placed inputs, rng) -> (output tokens [.., nbest, len] ([.., nbest, 1]
+  class ids for a classifier), scores [.., nbest]), compiled by `layout` (default pmap) once
+  per source length."""
   layout = layout or parallel.DataParallel()
   compiled: dict[int, object] = {}  # by source length
 
@@ -144,12 +178,12 @@ def decode_fn(model: nn.Module, decoding_config: ml_collections.ConfigDict, layo
     source_len = device_inputs.shape[-1]
     if source_len not in compiled:
       if isinstance(model, models.EncoderClassifier):
-        fn = functools.partial(_classify, model=model)
+        fn = functools.partial(_classify, model=model, nbest=nbest)
       else:
         prompt_len = source_len if isinstance(model, models.DecoderOnly) else 0
         max_len = max_decode_len(decoding_config, model.config, source_len, prompt_len)
         fn = functools.partial(_generate, model=model, decoding_config=decoding_config,
-                               max_len=max_len)
+                               max_len=max_len, nbest=nbest)
       compiled[source_len] = layout.compile_decode(fn)
     return compiled[source_len](device_params, device_inputs, rng)
 
@@ -157,34 +191,36 @@ def decode_fn(model: nn.Module, decoding_config: ml_collections.ConfigDict, layo
 
 
 def translate_ids(p_decode, device_params, sources: np.ndarray, batch_size: int,
-                  seed: int = 0, layout=None) -> list[np.ndarray]:
-  """Output tokens for source tokens [n, src_len], in order (one array per row)."""
+                  seed: int = 0, layout=None) -> list[tuple[np.ndarray, np.ndarray]]:
+  """(output tokens [nbest, len], scores [nbest]) for source tokens [n, src_len], in order."""
   layout = layout or parallel.DataParallel()
   outputs = []
   for index, start in enumerate(range(0, len(sources), batch_size)):
     rows = sources[start:start + batch_size]
     padded = np.pad(rows, ((0, batch_size - len(rows)), (0, 0)))  # fixed shape: one compile
     rng = jax.random.fold_in(jax.random.PRNGKey(seed), index)
-    tokens = layout.host_rows(p_decode(device_params, layout.eval_batch(padded), rng))
-    outputs.extend(tokens[:len(rows)])
+    tokens, scores = layout.host_rows(p_decode(device_params, layout.eval_batch(padded), rng))
+    outputs.extend(zip(tokens[:len(rows)], scores[:len(rows)]))
   return outputs
 
 
 def generate_ids(p_decode, device_params, prompts: Sequence[np.ndarray], max_len: int,
-                 batch_size: int, seed: int = 0, layout=None) -> list[np.ndarray]:
-  """Outputs for token sequences of any length (EOS included), in order: grouped into
-  length buckets so short ones are not padded to the longest."""
+                 batch_size: int, seed: int = 0, layout=None
+                 ) -> list[tuple[np.ndarray, np.ndarray]]:
+  """(output tokens [nbest, len], scores [nbest]) for token sequences of any length (EOS
+  included), in order: grouped into length buckets so short ones are not padded to the
+  longest."""
   buckets: dict[int, list[int]] = {}
   for i, ids in enumerate(prompts):
     buckets.setdefault(_bucket_length(len(ids), max_len), []).append(i)
-  outputs: list[np.ndarray] = [np.zeros(0, np.int32)] * len(prompts)
+  outputs: list = [None] * len(prompts)
   for length, indices in sorted(buckets.items()):
     sources = np.zeros((len(indices), length), np.int32)
     for row, i in enumerate(indices):
       sources[row, :len(prompts[i])] = prompts[i]
-    tokens = translate_ids(p_decode, device_params, sources, batch_size, seed, layout)
-    for i, row in zip(indices, tokens):
-      outputs[i] = row
+    results = translate_ids(p_decode, device_params, sources, batch_size, seed, layout)
+    for i, result in zip(indices, results):
+      outputs[i] = result
   return outputs
 
 
@@ -222,7 +258,13 @@ def _bucket_length(num_tokens: int, max_len: int) -> int:
 
 class Predictor:
   """A trained model, its tokenizer and compiled generation, ready to turn texts into outputs:
-  translations, summaries, or label names."""
+  translations, summaries, or label names.
+
+  Decoding settings may be overridden per call (`predict(texts, beam_size=8)`); the compiled
+  functions are kept per setting (the most recent `MAX_DECODERS`), so a new setting never
+  reuses a stale one.
+  """
+  MAX_DECODERS = 8
 
   def __init__(self, config: ml_collections.ConfigDict, tokenizer: tokenizer_lib.Tokenizer,
                params, step: int | None = None, layout=None):
@@ -235,23 +277,56 @@ class Predictor:
     self.batch_size = config.per_device_batch_size * self.layout.eval_devices
     self.params = params  # None: set device_params before use (training's evaluator)
     self.device_params = None if params is None else self.layout.place_params(params)
-    self._decode = decode_fn(self.model, config.decoding, self.layout)
+    self._decoders: collections.OrderedDict = collections.OrderedDict()
 
   @classmethod
-  def from_workdir(cls, workdir: str, step: int | None = None,
-                   average_last: int = 1) -> "Predictor":
-    """Loads the workdir's config, tokenizer and checkpoint (latest unless `step`)."""
-    config = workdir_lib.load_config(workdir)
+  def from_workdir(cls, workdir: str, step: int | None = None, average_last: int = 1,
+                   config: ml_collections.ConfigDict | None = None) -> "Predictor":
+    """Loads the workdir's config (or `config`, e.g. the saved one with other decoding
+    settings), tokenizer and checkpoint (the newest good one unless `step`)."""
+    config = config or workdir_lib.load_config(workdir)
     tokenizer = tokenizer_lib.Tokenizer.load(workdir_lib.tokenizer_path(workdir))
     layout = parallel.make_layout(config, fit_devices=True)
     params, step = restore_params(workdir, tasks.make_model(config), step, average_last, layout)
     return cls(config, tokenizer, params, step, layout)
 
-  def output_ids(self, prompts: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """Generated tokens (or [class id]) for encoded sources, EOS included, in order."""
-    return generate_ids(self._decode, self.device_params, prompts,
-                        self.config.max_source_length, self.batch_size, self.config.decoding.seed,
-                        self.layout)
+  def decoding_config(self, **overrides) -> ml_collections.ConfigDict:
+    """config.decoding with `overrides` applied and checked (unknown keys, bad values)."""
+    decoding_config = ml_collections.ConfigDict(self.config.decoding.to_dict())
+    for key, value in overrides.items():
+      if key not in decoding_config:
+        close = difflib.get_close_matches(key, list(decoding_config), n=1)
+        raise ValueError(f"Unknown decoding setting {key!r}"
+                         f"{f'; did you mean {close[0]!r}' if close else ''}. Settings: "
+                         f"{', '.join(decoding_config)}.")
+      decoding_config[key] = value
+    checked = ml_collections.ConfigDict(self.config.to_dict())
+    checked.decoding = decoding_config
+    config_validation.validate(checked)
+    return decoding_config
+
+  def _decoder(self, decoding_config: ml_collections.ConfigDict, nbest: int):
+    key = (json.dumps(decoding_config.to_dict(), sort_keys=True), nbest)
+    if key not in self._decoders:
+      self._decoders[key] = decode_fn(self.model, decoding_config, self.layout, nbest)
+      if len(self._decoders) > self.MAX_DECODERS:
+        self._decoders.popitem(last=False)
+    self._decoders.move_to_end(key)
+    return self._decoders[key]
+
+  def output_ids(self, prompts: Sequence[np.ndarray], nbest: int = 1,
+                 decoding_config: ml_collections.ConfigDict | None = None,
+                 with_scores: bool = False) -> list:
+    """Generated tokens (or [class id]) for encoded sources, EOS included, in order: the best
+    array per prompt, or with `with_scores` a list of `nbest` (tokens, score) pairs, best
+    first."""
+    decoding_config = decoding_config or self.config.decoding
+    results = generate_ids(self._decoder(decoding_config, nbest), self.device_params, prompts,
+                           self.config.max_source_length, self.batch_size, decoding_config.seed,
+                           self.layout)
+    if with_scores:
+      return [list(zip(tokens, scores.tolist())) for tokens, scores in results]
+    return [tokens[0] for tokens, _ in results]
 
   def output_text(self, ids: np.ndarray) -> str:
     if isinstance(self.model, models.EncoderClassifier):
@@ -260,38 +335,60 @@ class Predictor:
       return names[label] if label < len(names) else str(label)
     return self.tokenizer.decode(ids)
 
-  def predict(self, texts: Sequence[str]) -> list[str]:
-    """One output per text, in order; empty texts give empty outputs.
-
-    Texts longer than `config.max_source_length` tokens are truncated, with one warning per
-    call.
-    """
+  def _prompts(self, texts: Sequence[str]) -> dict[int, np.ndarray]:
+    """Encoded non-empty texts by position; over-long ones truncated (one warning)."""
     max_len = self.config.max_source_length
     token_ids = {i: self.tokenizer.encode(t) for i, t in enumerate(texts) if t.strip()}
     too_long = sum(len(ids) + 1 > max_len for ids in token_ids.values())
     if too_long:
       logging.warning("%d input(s) longer than max_source_length=%d tokens were truncated.",
                       too_long, max_len)
-    prompts = [pipeline.with_eos(ids, max_len) for ids in token_ids.values()]
+    return {i: pipeline.with_eos(ids, max_len) for i, ids in token_ids.items()}
+
+  def predict(self, texts: Sequence[str], **decoding_overrides) -> list[str]:
+    """One output per text, in order; empty texts give empty outputs. Keyword arguments
+    override config.decoding for this call (method, beam_size, alpha, temperature, ...)."""
+    decoding_config = self.decoding_config(**decoding_overrides)
+    prompts = self._prompts(texts)
     outputs = [""] * len(texts)
-    for i, ids in zip(token_ids, self.output_ids(prompts)):
+    for i, ids in zip(prompts, self.output_ids(list(prompts.values()), 1, decoding_config)):
       outputs[i] = self.output_text(ids)
+    return outputs
+
+  def predict_nbest(self, texts: Sequence[str], n: int,
+                    **decoding_overrides) -> list[list[tuple[str, float]]]:
+    """The `n` best outputs per text as (text, score) pairs, best first; the score is the
+    log-probability the search ranks by (length-penalised for beam search; for a classifier,
+    the class's log-probability). Empty texts give empty lists."""
+    decoding_config = self.decoding_config(**decoding_overrides)
+    classifier = isinstance(self.model, models.EncoderClassifier)
+    check_nbest(decoding_config, n, self.config.model.num_classes if classifier else None)
+    prompts = self._prompts(texts)
+    outputs: list[list[tuple[str, float]]] = [[] for _ in texts]
+    for i, pairs in zip(prompts, self.output_ids(list(prompts.values()), n, decoding_config,
+                                                 with_scores=True)):
+      outputs[i] = [(self.output_text(ids), score) for ids, score in pairs]
     return outputs
 
   def predict_lines(self, lines: Iterable[str], chunk_size: int = 1024) -> Iterator[str]:
     """Streams outputs for `lines`, `chunk_size` at a time, never holding the whole input."""
-    chunk = []
-    for line in lines:
-      chunk.append(line.rstrip("\r\n"))
-      if len(chunk) == chunk_size:
-        yield from self.predict(chunk)
-        chunk = []
-    if chunk:
+    for chunk in chunk_lines(lines, chunk_size):
       yield from self.predict(chunk)
 
   # Translation names, kept for existing callers.
   translate = predict
   translate_lines = predict_lines
+
+
+def chunk_lines(lines: Iterable[str], size: int) -> Iterator[list[str]]:
+  chunk = []
+  for line in lines:
+    chunk.append(line.rstrip("\r\n"))
+    if len(chunk) == size:
+      yield chunk
+      chunk = []
+  if chunk:
+    yield chunk
 
 
 Translator = Predictor

@@ -1,0 +1,45 @@
+"""`--config` of evaluate and predict: the workdir's saved training config.
+
+main.py passes `--config transformer_jax/saved_config.py:WORKDIR` when no --config is given,
+so `--config.decoding.beam_size=8` (and the other overrides evaluate and predict accept)
+apply to the config the checkpoint was trained with. `override_problems` refuses the rest.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from transformer_jax import workdir as workdir_lib
+
+# Keys that describe the trained model and its data: evaluate / predict cannot change them.
+FIXED_KEYS = ("task", "architecture", "dataset", "local", "tfds", "splits", "demo.num_train",
+              "demo.num_validation", "demo.num_test", "demo.seed", "label_names", "mixture",
+              "tokenizer", "max_source_length", "max_target_length", "model")
+
+
+def get_config(workdir: str) -> ml_collections.ConfigDict:
+  return workdir_lib.load_config(workdir)
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, dict) and value:
+      flat.update(_flat(value, f"{prefix}{key}."))
+    else:
+      flat[f"{prefix}{key}"] = value
+  return flat
+
+
+def changed_keys(saved: ml_collections.ConfigDict, given: ml_collections.ConfigDict) -> dict:
+  """Keys whose values differ: {key: (saved, given)}."""
+  a, b = _flat(saved.to_dict()), _flat(given.to_dict())
+  return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+def fixed_key_changes(saved: ml_collections.ConfigDict,
+                      given: ml_collections.ConfigDict) -> list[str]:
+  """'key (saved X, given Y)' for every changed key the checkpoint fixes."""
+  return [f"{k} (saved {old!r}, given {new!r})"
+          for k, (old, new) in changed_keys(saved, given).items()
+          if any(k == fixed or k.startswith(fixed + ".") for fixed in FIXED_KEYS)]
