@@ -8,6 +8,7 @@ all that needs fixing, not the first of them after an hour of training).
 from __future__ import annotations
 
 import difflib
+import re
 from typing import Any
 
 import ml_collections
@@ -170,6 +171,10 @@ def validate(config: ml_collections.ConfigDict, device_count: int | None = None)
 
 def override_error(error: Exception) -> str:
   """A one-line message for a bad --config flag (a misspelt key, a missing or broken file)."""
-  text = str(error).replace("\\'", "'").replace("\\n", " ")
-  text = " ".join(text.strip("'\"").split())
+  text = " ".join(str(error).replace("\\'", "'").replace("\\n", " ").split())
+  misspelt = re.search(r"'(\w+)'.*(Did you mean \"\w+\")", text)
+  if misspelt:  # ml_collections' locked-config error, quoted twice over
+    return f"no config key '{misspelt.group(1)}'. {misspelt.group(2)}?"
+  text = text.replace("Configuration is not available because of an earlier failure to load: ",
+                      "")
   return text[:400]

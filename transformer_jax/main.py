@@ -83,7 +83,6 @@ def main(argv):
 
 
 def _fail(message: str, code: int) -> None:
-  logging.error("%s", message)
   print(f"error: {message}", file=sys.stderr)
   sys.exit(code)
 
@@ -169,8 +168,9 @@ def with_saved_config(argv: list[str]) -> list[str]:
   if _flag_value(argv, "mode") in ("evaluate", "predict") and _flag_value(argv, "config") is None:
     workdir = _flag_value(argv, "workdir")
     if workdir:
-      return argv + [f"--config={os.path.join(os.path.dirname(__file__), 'saved_config.py')}:"
-                     f"{workdir}"]
+      # Before the overrides: absl defines --config.* flags when it parses --config.
+      saved = os.path.join(os.path.dirname(__file__), "saved_config.py")
+      return [argv[0], f"--config={saved}:{workdir}", *argv[1:]]
   return argv
 
 
@@ -178,7 +178,10 @@ def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with a bad --config (missing or broken file, misspelt key, saved
   config missing) reported in one line instead of a traceback."""
   try:
-    return flags.FLAGS(with_saved_config(argv))
+    remaining = flags.FLAGS(with_saved_config(argv))
+    if flags.FLAGS.config is not None:  # a file that failed to load fails here, not mid-run
+      flags.FLAGS.config.to_dict()
+    return remaining
   except flags.Error as e:
     print(f"error: {e}\nPass --help for the flags.", file=sys.stderr)
   except Exception as e:  # pylint: disable=broad-except
