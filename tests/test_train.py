@@ -84,8 +84,10 @@ def test_restore_rejects_other_model_shape(trained, tiny_config):
   _, workdir, _ = trained
   tiny_config.model.emb_dim = 64
   tiny_config.model.qkv_dim = 64
-  with pytest.raises(checkpoints.CheckpointError, match="does not match this model"):
+  with pytest.raises(checkpoints.CheckpointError, match="does not match this model") as error:
     train.train_and_evaluate(tiny_config, workdir)
+  assert ("Changed since this workdir was trained: model.emb_dim (saved 32, given 64); "
+          "model.qkv_dim (saved 32, given 64).") in str(error.value)
   assert workdir_lib.load_config(workdir).model.emb_dim == 32  # the saved config is kept
 
 

@@ -25,6 +25,7 @@ from transformer_jax import parallel
 from transformer_jax import predict
 from transformer_jax import preemption
 from transformer_jax import run_lock
+from transformer_jax import saved_config
 from transformer_jax import summary_writer
 from transformer_jax import tasks
 from transformer_jax import tokenizer as tokenizer_lib
@@ -218,6 +219,15 @@ def _check_finite(host_sums: dict, step: int, manager) -> None:
       "config.grad_clip_norm, then re-run the same command to resume from it.")
 
 
+def _model_changes(workdir: str, config: ml_collections.ConfigDict) -> str:
+  """The model / data keys in which `config` differs from the workdir's saved config."""
+  try:
+    changes = saved_config.fixed_key_changes(workdir_lib.load_config(workdir), config)
+  except workdir_lib.WorkdirError:
+    return ""
+  return f"Changed since this workdir was trained: {'; '.join(changes)}." if changes else ""
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains `config` in `workdir` (a local folder or a gs:// URL), resuming from its newest
   good checkpoint; returns the final evaluation (with "preempted": True when a SIGTERM or
@@ -269,8 +279,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   if manager.latest_step() is not None:
     # Restored into the new state's shardings, whatever layout and devices saved it; a
     # damaged newest checkpoint falls back to the one before it.
-    params, opt_state, step, data_state = checkpoints.restore(
-        manager, state.params, state.opt_state, with_data_state=True)
+    try:
+      params, opt_state, step, data_state = checkpoints.restore(
+          manager, state.params, state.opt_state, with_data_state=True)
+    except checkpoints.CheckpointError as e:
+      raise checkpoints.CheckpointError(f"{e} {_model_changes(workdir, config)}") from None
     damaged = checkpoints.damaged_steps_after(manager, step)
     if damaged and is_chief:
       checkpoints.set_aside(workdir, manager, damaged)
