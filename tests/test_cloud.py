@@ -3,9 +3,11 @@ the bucket, evaluate, predict from and to the bucket, TensorBoard events, and tw
 sharing one gs:// workdir through a SIGTERM and a resume. Everything goes through the command
 line, with STORAGE_EMULATOR_HOST the only setting, as a user would run it."""
 
+import datetime
 import json
 import os
 import signal
+import time
 
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
@@ -67,35 +69,54 @@ def test_train_kill_resume_evaluate_predict_on_a_bucket(gcs_emulator, bucket, da
   assert len(lines) == 4 and lines[1] == "" and lines[3] == ""  # 3 lines, the 2nd empty
 
 
-def test_two_processes_share_a_gs_workdir_through_sigterm_and_resume(gcs_emulator, bucket,
-                                                                      data_cache):
-  workdir = "gs://test-bucket/two"
+def _log_time(stderr: str, text: str) -> float:
+  """Seconds since the epoch of the absl log line (this year, local time) containing `text`."""
+  line = next(l for l in reversed(stderr.splitlines()) if text in l)
+  stamp = datetime.datetime.strptime(f"{datetime.date.today().year}{line[1:21]}",
+                                     "%Y%m%d %H:%M:%S.%f")
+  return stamp.timestamp()
+
+
+@pytest.mark.parametrize("where", ["gs", "local"])
+def test_two_processes_share_a_workdir_through_sigterm_and_resume(gcs_emulator, bucket,
+                                                                  data_cache, tmp_path, where):
+  if where == "gs":
+    workdir, steps = "gs://test-bucket/two", lambda: bucket.steps("two")
+  else:
+    workdir = str(tmp_path / "two")
+    folder = os.path.join(workdir, "checkpoints")
+    steps = lambda: sorted(int(n) for n in os.listdir(folder) if n.isdigit()) if os.path.isdir(
+        folder) else []
   environ = cli.env(devices=4, STORAGE_EMULATOR_HOST=gcs_emulator)
 
-  def start_both(steps):
+  def start_both(num_steps):
     port = cli.free_port()
     return [cli.start(workdir, f"--coordinator_address=localhost:{port}", "--num_processes=2",
-                      f"--process_id={i}", f"--config.num_train_steps={steps}",
+                      f"--process_id={i}", f"--config.num_train_steps={num_steps}",
                       "--config.per_device_batch_size=2", cache=data_cache, environ=environ)
             for i in range(2)]
 
   runs = start_both(1000)
-  cli.wait_for(lambda: 10 in bucket.steps("two"), runs[0])
+  cli.wait_for(lambda: 10 in steps(), runs[0])
   # A preemption notice to one host: JAX's preemption service tells the other, both save the
   # same step and exit 0, well within a minute.
   code, _, err, seconds = cli.stop(runs[1], signal.SIGTERM)
-  other_out, other_err = runs[0].communicate(timeout=60)
+  _, other_err = runs[0].communicate(timeout=60)
   assert code == 0 and runs[0].returncode == 0, (err[-2000:], other_err[-2000:])
   assert seconds < 60
   assert "Traceback" not in err + other_err
   assert "Re-run the same command to resume" in err
-  saved = bucket.steps("two")[-1]
+  saved = steps()[-1]
   assert saved > 10
 
-  # The same command on both hosts resumes from the bucket and finishes.
-  runs = start_both(saved + 10)
+  # The same command on both hosts resumes there, finishes, saves and exits within a minute
+  # of its last step.
+  final = saved + 10
+  runs = start_both(final)
   outputs = [r.communicate(timeout=300) for r in runs]
+  ended = time.time()
   for run, (_, err) in zip(runs, outputs):
     assert run.returncode == 0, err[-3000:]
     assert f"Resumed from checkpoint at step {saved}" in err
-  assert bucket.steps("two")[-1] == saved + 10
+    assert ended - _log_time(err, f"step {final}/{final}:") < 60
+  assert steps()[-1] == final

@@ -14,8 +14,11 @@ import pytest
 from tests import cli
 from transformer_jax import checkpoints
 from transformer_jax import commands
+from transformer_jax import predict
 from transformer_jax import run_lock
+from transformer_jax import tasks
 from transformer_jax import train
+from transformer_jax import workdir as workdir_lib
 
 
 def _steps(workdir) -> list[int]:
@@ -124,3 +127,35 @@ def test_bad_settings_are_refused_before_the_workdir_is_made(tmp_path, data_cach
   assert result.returncode == 1
   assert override.split("=")[0] in cli.user_error(result.stderr)
   assert not workdir.exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """A 1.4 MB file system: room for two checkpoints of the tiny model, not three."""
+  disk = tmp_path / "disk"
+  disk.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1400k", "tmpfs", str(disk)],
+                    capture_output=True).returncode:
+    pytest.skip("mounting a small tmpfs needs root")
+  yield str(disk)
+  subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_failed_background_save_stops_the_run_with_one_line(small_disk, data_cache):
+  workdir = os.path.join(small_disk, "run")
+  result = cli.run(workdir, "--config.num_train_steps=100", "--config.eval_every_steps=1000",
+                   cache=data_cache)
+  assert result.returncode == 1
+  # Orbax's and TensorStore's writer threads print their own tracebacks as the write fails
+  # (asyncio's "Event loop is closed", sometimes the write error at exit); the run's report is
+  # one "error:" line among them.
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1, result.stderr[-3000:]
+  message = errors[0]
+  assert message.startswith("error: Saving a checkpoint"), message
+  assert "No space left on device" in message, message
+  assert "from the last complete checkpoint (20)" in message
+  assert _steps(workdir) == [10, 20]  # the complete ones are still there and readable
+  _, step = predict.restore_params(workdir, tasks.make_model(
+      workdir_lib.load_config(workdir)), layout=None)
+  assert step == 20

@@ -2,6 +2,7 @@
 task metrics, and the shared-corpus configs training for a few steps."""
 
 import functools
+import json
 import os
 
 import jax
@@ -125,6 +126,15 @@ def test_classification_trains_evaluates_and_predicts_label_names(tmp_path):
   predictor = predict.Predictor.from_workdir(str(tmp_path / "run"))
   assert predictor.predict(["the film was great and long", "", "the film was dull"]) == [
       "positive", "", "negative"]
+  # JSON lines: the label and every class's probability.
+  source, output = tmp_path / "in.txt", tmp_path / "out.jsonl"
+  source.write_text("the film was dull\n")
+  commands.run_predict(str(tmp_path / "run"), str(source), str(output), output_format="jsonl")
+  record = json.loads(output.read_text())
+  assert record["source"] == "the film was dull" and record["label"] == "negative"
+  assert set(record["probabilities"]) == {"negative", "positive"}
+  assert sum(record["probabilities"].values()) == pytest.approx(1.0, abs=1e-5)
+  assert record["probabilities"]["negative"] > 0.5
 
 
 def _load_config(name):

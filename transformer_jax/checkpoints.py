@@ -8,6 +8,8 @@ the way (into `checkpoints_damaged/`), so nothing saved is deleted.
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any
 
 import jax
@@ -86,7 +88,10 @@ def save(checkpoints: ocp.CheckpointManager, step: int, params: Any, opt_state: 
                                               "opt_state": fingerprint(opt_state)}))
   if data_state is not None:
     items["data_state"] = ocp.args.JsonSave(data_state)
-  checkpoints.save(step, args=ocp.args.Composite(**items), force=True)
+  try:
+    checkpoints.save(step, args=ocp.args.Composite(**items), force=True)
+  except Exception as e:  # Orbax re-raises a previous background save's error here too
+    raise _save_failed(checkpoints, e) from None
 
 
 def check_background_saves(checkpoints: ocp.CheckpointManager) -> None:
@@ -94,10 +99,15 @@ def check_background_saves(checkpoints: ocp.CheckpointManager) -> None:
   try:
     checkpoints.check_for_errors()
   except Exception as e:  # Orbax re-raises whatever the writing thread hit
-    raise CheckpointError(
-        f"Saving a checkpoint in {checkpoints.directory} failed: {_short(e)}. Check that the "
-        "workdir is writable and has space, then re-run the same command to resume from the "
-        "last complete checkpoint.") from None
+    raise _save_failed(checkpoints, e) from None
+
+
+def _save_failed(checkpoints: ocp.CheckpointManager, error: Exception) -> CheckpointError:
+  complete = checkpoints.all_steps()
+  return CheckpointError(
+      f"Saving a checkpoint in {checkpoints.directory} failed: {_short(error)}. Check that the "
+      f"workdir is writable and has space, then re-run the same command to resume from the "
+      f"last complete checkpoint ({max(complete) if complete else 'none yet'}).")
 
 
 def wait_for_saves(checkpoints: ocp.CheckpointManager) -> None:
@@ -105,13 +115,16 @@ def wait_for_saves(checkpoints: ocp.CheckpointManager) -> None:
   try:
     checkpoints.wait_until_finished()
   except Exception as e:
-    raise CheckpointError(f"Saving a checkpoint in {checkpoints.directory} failed: "
-                          f"{_short(e)}.") from None
+    raise _save_failed(checkpoints, e) from None
   check_background_saves(checkpoints)
 
 
 def _short(error: Exception, limit: int = 300) -> str:
   text = " ".join(str(error).split())
+  # TensorStore's messages name the failing file twice over; the OS error says what to fix.
+  os_error = re.search(r"os_error_code='(\d+)'", text)
+  if os_error:
+    text = f"{text.split(':')[0]}: {os.strerror(int(os_error.group(1)))}"
   return text if len(text) <= limit else text[:limit] + " ..."
 
 

@@ -47,10 +47,15 @@ flags.mark_flag_as_required("workdir")
 
 
 class _QuietLibraries(std_logging.Filter):
-  """Drops the INFO chatter of checkpointing internals; warnings and errors still show."""
+  """Drops the INFO chatter of checkpointing internals; their warnings and errors still show,
+  without tracebacks (the error reaches the user as one line from train.py)."""
 
   def filter(self, record: std_logging.LogRecord) -> bool:
-    return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
+    if "/orbax/" not in record.pathname:
+      return True
+    if not flags.FLAGS.verbose:
+      record.exc_info, record.exc_text, record.stack_info = None, None, None
+    return record.levelno >= std_logging.WARNING
 
 
 def _initialize_distributed() -> None:

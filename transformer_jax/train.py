@@ -92,8 +92,6 @@ def _new_tokenizer(config: ml_collections.ConfigDict,
 
 def prepare_data(config: ml_collections.ConfigDict, workdir: str, splits=sources.SPLITS):
   """Examples of `splits`, the workdir's tokenizer (made on first use), token features."""
-  if config.overlong not in ("truncate", "drop"):
-    raise ValueError(f"config.overlong={config.overlong!r}: use 'truncate' or 'drop'.")
   # The training split is read for the tokenizer only when the workdir has none yet.
   needs_train = not (config.tokenizer.path or workdir_lib.tokenizer_path(workdir).exists())
   examples = sources.load_examples(config, sorted(set(splits) | ({"train"} if needs_train
