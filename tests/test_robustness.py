@@ -124,7 +124,7 @@ def test_damaged_checkpoint_falls_back_to_the_newest_good_one(tmp_path, tiny_con
 def test_bad_settings_are_refused_before_the_workdir_is_made(tmp_path, data_cache, override):
   workdir = tmp_path / "never"
   result = cli.run(workdir, f"--config.{override}", cache=data_cache, timeout=120)
-  assert result.returncode == 1
+  assert result.returncode == 2  # a usage error: fix the command, do not retry it
   assert override.split("=")[0] in cli.user_error(result.stderr)
   assert not workdir.exists()
 
