@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -30,13 +31,33 @@ def command(workdir: str, *args: str, cache: str | None = None) -> list[str]:
           *args]
 
 
+class Run(subprocess.Popen):
+  """A run in the background whose output goes to files: a pipe that nobody reads while the
+  test waits would fill up and stall the run."""
+
+  def __init__(self, args, **kwargs):
+    self._files = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    super().__init__(args, stdout=self._files[0], stderr=self._files[1], text=True, **kwargs)
+
+  def output(self) -> tuple[str, str]:
+    """(stdout, stderr) so far."""
+    texts = []
+    for f in self._files:
+      f.seek(0)
+      texts.append(f.read())
+    return texts[0], texts[1]
+
+  def communicate(self, input=None, timeout=None):  # pylint: disable=redefined-builtin
+    del input
+    self.wait(timeout)
+    return self.output()
+
+
 STARTED: list[subprocess.Popen] = []  # killed after each test (conftest), whatever happened
 
 
-def start(workdir, *args, cache=None, environ=None) -> subprocess.Popen:
-  process = subprocess.Popen(command(workdir, *args, cache=cache), cwd=ROOT,
-                             env=environ or env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+def start(workdir, *args, cache=None, environ=None) -> Run:
+  process = Run(command(workdir, *args, cache=cache), cwd=ROOT, env=environ or env())
   STARTED.append(process)
   return process
 
@@ -63,7 +84,8 @@ def wait_for(condition, process: subprocess.Popen | None = None, timeout: float 
     if process is not None and process.poll() is not None:
       raise AssertionError(f"the run ended first: {process.communicate()[1][-3000:]}")
     time.sleep(0.5)
-  raise AssertionError("timed out")
+  so_far = process.output()[1][-3000:] if isinstance(process, Run) else ""
+  raise AssertionError(f"timed out; the run's log so far: {so_far}")
 
 
 def stop(process: subprocess.Popen, sig=signal.SIGTERM, timeout: float = 60):
