@@ -139,10 +139,10 @@ def _restore_target(leaf) -> jax.ShapeDtypeStruct:
   return target
 
 
-def _shape_mismatches(checkpoints: ocp.CheckpointManager, step: int, params: Any) -> list[str]:
-  """Parameters whose saved shape differs from the model's (a config problem, not damage; the
-  optimizer state follows the parameters)."""
-  saved = checkpoints.item_metadata(step)["params"]
+def _shape_mismatches(metadata: Any, params: Any) -> list[str]:
+  """Parameters whose saved shape (in the step's item `metadata`) differs from the model's (a
+  config problem, not damage; the optimizer state follows the parameters)."""
+  saved = metadata["params"]
   saved = getattr(saved, "tree", saved)
   wanted = {jax.tree_util.keystr(p): tuple(x.shape)
             for p, x in jax.tree_util.tree_leaves_with_path(params)}
@@ -157,7 +157,8 @@ def _restore_step(checkpoints: ocp.CheckpointManager, step: int, items: dict,
   """Restores and verifies one step. Raises CheckpointError (model mismatch) or
   DamagedCheckpointError (unreadable or altered files)."""
   try:
-    mismatches = _shape_mismatches(checkpoints, step, items["params"])
+    metadata = checkpoints.item_metadata(step)  # read once: a request per file on a bucket
+    mismatches = _shape_mismatches(metadata, items["params"])
   except Exception as e:
     raise DamagedCheckpointError(f"its metadata cannot be read ({_short(e, 150)})") from None
   if mismatches:
@@ -170,7 +171,7 @@ def _restore_step(checkpoints: ocp.CheckpointManager, step: int, items: dict,
           for name, tree in items.items()}
   if with_data_state:
     args["data_state"] = ocp.args.JsonRestore()
-  has_fingerprint = "fingerprint" in checkpoints.item_metadata(step).keys()
+  has_fingerprint = "fingerprint" in metadata.keys()
   if has_fingerprint:
     args["fingerprint"] = ocp.args.JsonRestore()
   try:

@@ -39,8 +39,8 @@ class _Records:
 
 
 class EventFileWriter:
-  """Scalars, texts and hyper-parameters as TensorBoard events under `logdir`; the method
-  names are those of clu's MetricWriter (whose package imports TensorFlow)."""
+  """Scalars and texts as TensorBoard events under `logdir`; the method names are those of
+  clu's MetricWriter (whose package imports TensorFlow)."""
 
   def __init__(self, logdir: str, max_object_bytes: int = 8 << 20):
     self._logdir = workdir_lib.path(logdir)
@@ -122,7 +122,6 @@ class _NoWriter:
 
   def write_scalars(self, step, scalars): pass
   def write_texts(self, step, texts): pass
-  def write_hparams(self, hparams): pass
   def flush(self): pass
   def close(self): pass
 

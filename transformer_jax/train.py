@@ -282,10 +282,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
           manager, state.params, state.opt_state, with_data_state=True)
     except checkpoints.CheckpointError as e:
       raise checkpoints.CheckpointError(f"{e} {_model_changes(workdir, config)}") from None
-    damaged = checkpoints.damaged_steps_after(manager, step)
+    damaged = checkpoints.damaged_steps_after(manager, step)  # the same list on every host
     if damaged and is_chief:
       checkpoints.set_aside(workdir, manager, damaged)
-    if jax.process_count() > 1:
+    if damaged and jax.process_count() > 1:
       multihost_utils.sync_global_devices("damaged checkpoints set aside")
       manager.reload()
     state = state.replace(step=step, params=params, opt_state=opt_state)
