@@ -1,4 +1,4 @@
-"""CNN / DailyMail as a decoder-only prefix LM: `ARTICLE <eos> SUMMARY <eos>`, loss on the
+"""CNN / DailyMail as a decoder-only causal LM: `ARTICLE <eos> SUMMARY <eos>`, loss on the
 summary only; inference fills the cache with `ARTICLE <eos>` and generates the summary.
 
   python -m transformer_jax.main --config configs/cnn_dailymail_decoder_only.py \

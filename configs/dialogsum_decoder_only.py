@@ -1,4 +1,4 @@
-"""DialogSum as a decoder-only prefix LM: `DIALOGUE <eos> SUMMARY <eos>`, loss on the summary.
+"""DialogSum as a decoder-only causal LM: `DIALOGUE <eos> SUMMARY <eos>`, loss on the summary.
 
   python -m transformer_jax.main --config configs/dialogsum_decoder_only.py \
       --workdir runs/dialogsum_lm --config.data_dir=../shared/data/dialogsum

@@ -4,7 +4,7 @@
       --config.data_dir=../shared/data/rt_polarity
 
 The corpus is two files (negative, positive) without splits: a seeded 80/10/10 train /
-validation / test split is made at load time (config.seed), the same in every run. 8,530
+validation / test split is made at load time (config.data_seed), the same in every run. 8,530
 training sentences, a 2-layer encoder (d 128). Expect roughly 70-75% test accuracy from
 scratch; the README's results table has what was measured.
 """

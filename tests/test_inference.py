@@ -97,15 +97,15 @@ def test_predictor_decoding_overrides_are_cached_per_setting(workdir):
   greedy = predictor.predict(texts, method="greedy")
   assert predictor.predict(texts, method="beam", beam_size=1) == greedy
   assert predictor.predict(texts, method="greedy") == greedy
-  assert len(predictor._decoders) == 2
+  assert len(predictor.generator._decoders) == 2
   samples = predictor.predict_nbest(texts, 3, method="sample", temperature=1.0)
   assert [len(s) for s in samples] == [3, 0, 3]
   for pairs in samples:
     scores = [score for _, score in pairs]
     assert scores == sorted(scores, reverse=True) and all(np.isfinite(scores))
-  for setting in range(predictor.MAX_DECODERS + 2):
+  for setting in range(predictor.generator.MAX_DECODERS + 2):
     predictor.predict(texts[:1], method="greedy", max_decode_len=setting + 1)
-  assert len(predictor._decoders) == predictor.MAX_DECODERS
+  assert len(predictor.generator._decoders) == predictor.generator.MAX_DECODERS
   with pytest.raises(ValueError, match="did you mean 'beam_size'"):
     predictor.predict(texts, beam_sise=2)
   with pytest.raises(config_validation.ConfigError, match="temperature"):

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from transformer_jax import families
 from transformer_jax import models
 from transformer_jax import parallel
-from transformer_jax import tasks
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax import train
 from transformer_jax.data import demo
@@ -132,7 +132,8 @@ def demo_batches(data_cache):
   config = make_tiny_config(data_cache)
   pairs = demo.generate_splits(256, 0, 0, seed=1)["train"]
   tok = tokenizer_lib.train_tokenizer((t for p in pairs for t in p), 256, model_type="bpe")
-  data, _ = tasks.encode_examples([{"source": s, "target": t} for s, t in pairs], tok, config)
+  data, _ = families.get(config).encode_examples([{"source": s, "target": t} for s, t in pairs],
+                                                tok)
   batches = pipeline.TrainBatches(data, 16, seed=0)
   return config, [next(batches) for _ in range(4)]
 
@@ -142,10 +143,10 @@ def _train(config, batches, **model_overrides):
   config = config.copy_and_resolve_references()
   config.model.update(model_overrides)
   config.label_smoothing = 0.0
-  model = models.EncoderDecoder(models.model_config(config.model))
-  state = parallel.replicate(jax.jit(functools.partial(train.create_state, config, model))(
-      jax.random.PRNGKey(0)))
-  step = train.compile_train_step(config, model)
+  family = families.get(config)
+  state = parallel.replicate(parallel.DataParallel().create_state(
+      functools.partial(train.create_state, config, family, jax.random.PRNGKey(0))))
+  step = train.compile_train_step(config, family)
   rng = jax.random.PRNGKey(1)
   losses = []
   for batch in batches:

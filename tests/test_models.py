@@ -3,12 +3,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from transformer_jax import families
 from transformer_jax import models
-from transformer_jax import predict
 
 CONFIG = models.TransformerConfig(vocab_size=40, emb_dim=16, num_heads=2, num_layers=2,
                                   qkv_dim=16, mlp_dim=32, max_len=16, dropout_rate=0.1,
                                   attention_dropout_rate=0.1)
+
+
+def _family():
+  return families.from_model_config("encoder_decoder", CONFIG)
 
 
 def _init(config, src_len=6, tgt_len=7):
@@ -39,7 +43,7 @@ def test_cached_decoding_equals_full_forward(pre_ln):
   # Decode one token at a time, feeding the gold shifted targets.
   decoder_inputs = models.shift_right(targets, config.bos_id)
   encoded = model.apply({"params": params}, inputs, deterministic=True, method=model.encode)
-  cache = predict.init_cache(model, 2, inputs.shape[1], targets.shape[1])
+  cache = _family().init_cache(2, inputs.shape[1], targets.shape[1])
   stepwise = []
   for t in range(targets.shape[1]):
     logits, variables = model.apply({"params": params, "cache": cache}, encoded, inputs,
@@ -60,7 +64,7 @@ def test_cached_prefix_fill_then_single_steps():
   full = model.apply({"params": params}, inputs, targets, deterministic=True)
   decoder_inputs = models.shift_right(targets, CONFIG.bos_id)
   encoded = model.apply({"params": params}, inputs, deterministic=True, method=model.encode)
-  cache = predict.init_cache(model, 1, inputs.shape[1], targets.shape[1])
+  cache = _family().init_cache(1, inputs.shape[1], targets.shape[1])
   outputs = []
   for start, stop in [(0, 4), (4, 5), (5, 7)]:  # a 4-token prefix, then 1, then 2 tokens
     logits, variables = model.apply({"params": params, "cache": cache}, encoded, inputs,

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from transformer_jax import checkpoints
+from transformer_jax import families
 from transformer_jax import commands
 from transformer_jax import parallel
 from transformer_jax import predict
-from transformer_jax import tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,7 +32,8 @@ import jax
 import numpy as np
 sys.path.insert(0, {root!r})
 from tests.conftest import make_tiny_config
-from transformer_jax import parallel, predict, tasks, train
+import functools
+from transformer_jax import checkpoints, families, parallel, train
 config = make_tiny_config({cache!r})
 config.model.dropout_rate = 0.0
 config.num_generate_examples = 0
@@ -39,8 +41,8 @@ config.update_from_flattened_dict({overrides!r})
 result = train.train_and_evaluate(config, {workdir!r})
 if {dump_step!r}:  # the parameters of that checkpoint, as this layout restores them
   layout = parallel.make_layout(config)
-  params, _ = predict.restore_params({workdir!r}, tasks.make_model(config), {dump_step!r},
-                                     layout=layout)
+  init = functools.partial(families.get(config).init_params, boxed=True)
+  params, _ = checkpoints.restore_params({workdir!r}, init, {dump_step!r}, layout=layout)
   sharded = [len(x.sharding.device_set) > 1 and not x.sharding.is_fully_replicated
              for x in jax.tree.leaves(params)]
   result["sharded_leaves"] = sum(sharded)
@@ -128,8 +130,8 @@ def test_checkpoint_moves_from_pmap_8_to_jit_4_to_one_device(tmp_path, data_cach
   assert resumed["sharded_leaves"] > 0  # the restore really split parameters over devices
   np.testing.assert_allclose(resumed["loss"], uninterrupted["loss"], rtol=1e-4)
   # One device reads the pmap-written step 10 exactly as the 4-device mesh did ...
-  model = predict.Predictor.from_workdir(str(workdir), step=10).model
-  params, _ = predict.restore_params(str(workdir), model, 10)
+  family = predict.Predictor.from_workdir(str(workdir), step=10).family
+  params, _ = checkpoints.restore_params(str(workdir), family.init_params, 10)
   restored = np.load(workdir / "restored.npz")
   for i, leaf in enumerate(jax.tree.leaves(params)):
     np.testing.assert_array_equal(np.asarray(leaf), restored[f"arr_{i}"])
@@ -141,8 +143,8 @@ def test_checkpoint_moves_from_pmap_8_to_jit_4_to_one_device(tmp_path, data_cach
 
 def test_parameter_rules_split_attention_ffn_and_embeddings(tiny_config):
   tiny_config.model.update(num_heads=4, tie_output=False)
-  model = tasks.make_model(tiny_config)
-  abstract = jax.eval_shape(lambda: tasks.init_params(model, jax.random.PRNGKey(0)))
+  family = families.get(tiny_config)
+  abstract = jax.eval_shape(lambda: family.init_params(jax.random.PRNGKey(0), boxed=True))
   layout = parallel.MeshParallel(data=1, fsdp=1, tensor=1)  # specs only; one device here
   layout.mesh = jax.sharding.AbstractMesh((1, 2, 2), parallel.MESH_AXES)
   specs = jax.tree.map(lambda s: s.spec, layout.shardings(abstract))

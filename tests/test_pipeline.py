@@ -4,14 +4,14 @@ from transformer_jax.data import demo
 from transformer_jax.data import pipeline
 
 
-def test_prefix_lm_example_literal():
-  tokens, weights = pipeline.prefix_lm_example([7, 8, 9], [5, 6], max_len=9)
+def test_decoder_only_example_literal():
+  tokens, weights = pipeline.decoder_only_example([7, 8, 9], [5, 6], max_len=9)
   np.testing.assert_array_equal(tokens, [7, 8, 9, 1, 5, 6, 1])
   np.testing.assert_array_equal(weights, [0, 0, 0, 0, 1, 1, 1])
 
 
-def test_prefix_lm_example_cuts_the_source_first():
-  tokens, weights = pipeline.prefix_lm_example([7, 8, 9, 10], [5, 6], max_len=6)
+def test_decoder_only_example_cuts_the_source_first():
+  tokens, weights = pipeline.decoder_only_example([7, 8, 9, 10], [5, 6], max_len=6)
   np.testing.assert_array_equal(tokens, [7, 8, 1, 5, 6, 1])
   np.testing.assert_array_equal(weights, [0, 0, 0, 1, 1, 1])
 

@@ -14,9 +14,9 @@ import pytest
 from tests import cli
 from transformer_jax import checkpoints
 from transformer_jax import commands
+from transformer_jax import families
 from transformer_jax import predict
 from transformer_jax import run_lock
-from transformer_jax import tasks
 from transformer_jax import train
 from transformer_jax import workdir as workdir_lib
 
@@ -156,6 +156,6 @@ def test_failed_background_save_stops_the_run_with_one_line(small_disk, data_cac
   assert "No space left on device" in message, message
   assert "from the last complete checkpoint (20)" in message
   assert _steps(workdir) == [10, 20]  # the complete ones are still there and readable
-  _, step = predict.restore_params(workdir, tasks.make_model(
-      workdir_lib.load_config(workdir)), layout=None)
+  _, step = checkpoints.restore_params(
+      workdir, families.get(workdir_lib.load_config(workdir)).init_params)
   assert step == 20

@@ -1,4 +1,4 @@
-"""The three task families end to end: packing leaves no trace, prefix-LM generation, the
+"""The three task families end to end: packing leaves no trace, decoder-only generation, the
 task metrics, and the shared-corpus configs training for a few steps."""
 
 import functools
@@ -13,6 +13,7 @@ import pytest
 from tests.conftest import ROOT
 from transformer_jax import commands
 from transformer_jax import default_config
+from transformer_jax import families
 from transformer_jax import metrics
 from transformer_jax import models
 from transformer_jax import predict
@@ -37,20 +38,19 @@ def test_packed_examples_score_as_if_alone(family):
   across segments, positions and the shifted input restart per segment."""
   rng = np.random.default_rng(0)
   config = models.TransformerConfig(**TINY)
+  family_object = families.from_model_config(family, config)
   if family == "encoder_decoder":
-    model = models.EncoderDecoder(config)
     data = pipeline.Encoded({"inputs": _random_sequences(rng, 5, 2, 7, 64),
                              "targets": _random_sequences(rng, 5, 2, 7, 64)},
                             {"inputs": 24, "targets": 24})
   else:
-    model = models.DecoderOnly(config)
     data = pipeline.Encoded({"targets": _random_sequences(rng, 5, 2, 7, 64)}, {"targets": 24})
-  params = tasks.init_params(model, jax.random.PRNGKey(0))
+  params = family_object.init_params(jax.random.PRNGKey(0))
   packed = pipeline.pad_rows(data, [[0, 1, 2], [3, 4]], pack=True)
   assert packed["targets_segmentation"].max() == 3  # several examples per row
-  packed_logits = tasks.forward(model, params, packed, deterministic=True)
-  alone = tasks.forward(model, params, pipeline.pad_rows(data, [[i] for i in range(5)], False),
-                        deterministic=True)
+  packed_logits = family_object.forward(params, packed, deterministic=True)
+  alone = family_object.forward(params, pipeline.pad_rows(data, [[i] for i in range(5)], False),
+                                deterministic=True)
   for row, examples in enumerate([[0, 1, 2], [3, 4]]):
     for segment, i in enumerate(examples, start=1):
       in_segment = packed["targets_segmentation"][row] == segment
@@ -58,20 +58,19 @@ def test_packed_examples_score_as_if_alone(family):
                                  alone[i][:in_segment.sum()], rtol=1e-5, atol=1e-5)
 
 
-def test_prefix_lm_generation_equals_recomputing_the_whole_sequence():
+def test_decoder_only_generation_equals_recomputing_the_whole_sequence():
   """Batched, right-padded prompts of different lengths through the KV cache give the same
   greedy tokens as running the full model on `prompt + output so far` one row at a time."""
-  config = models.TransformerConfig(**TINY)
-  model = models.DecoderOnly(config)
-  params = tasks.init_params(model, jax.random.PRNGKey(3))
+  family = families.from_model_config("decoder_only", models.TransformerConfig(**TINY))
+  model = family.model
+  params = family.init_params(jax.random.PRNGKey(3))
   prompts = _random_sequences(np.random.default_rng(1), 3, 1, 9, 64)
   padded = np.zeros((3, 10), np.int32)
   for row, prompt in enumerate(prompts):
     padded[row, :len(prompt)] = prompt
   decoding = default_config.get_config().decoding
-  decoding.update(method="greedy")
-  generate = functools.partial(predict._generate, model=model, decoding_config=decoding,
-                               max_len=6)
+  decoding.update(method="greedy", max_decode_len=6)
+  generate = functools.partial(family.decode, decoding_config=decoding)
   tokens, _ = jax.jit(generate)(params, jnp.asarray(padded), jax.random.PRNGKey(0))
   outputs = np.asarray(tokens[:, 0])  # the best (only) output of each row
   for prompt, output in zip(prompts, outputs):
@@ -165,8 +164,8 @@ def test_every_config_file_loads_and_builds_its_model():
     if path.endswith(".py"):
       config = _load_config(path[:-3])
       config.lock()
-      model = tasks.make_model(config)
-      shapes = jax.eval_shape(lambda m=model: tasks.init_params(m, jax.random.PRNGKey(0)))
+      family = families.get(config)
+      shapes = jax.eval_shape(lambda f=family: f.init_params(jax.random.PRNGKey(0)))
       assert jax.tree.leaves(shapes), path
 
 

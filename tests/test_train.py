@@ -60,21 +60,21 @@ def test_evaluate_and_predict_from_workdir(trained, tmp_path):
 
 def test_predict_keeps_order_across_length_buckets(trained):
   _, workdir, _ = trained
-  translator = predict.Translator.from_workdir(workdir)
+  predictor = predict.Predictor.from_workdir(workdir)
   texts = ["The dog sees the cat.", "", "I think that the old teachers have shown a red ball "
            "to my brave neighbours.", "A cat.", "   "]
-  together = translator.translate(texts)
-  one_by_one = [translator.translate([t])[0] for t in texts]
+  together = predictor.predict(texts)
+  one_by_one = [predictor.predict([t])[0] for t in texts]
   assert together == one_by_one
   assert together[1] == "" and together[4] == ""
 
 
 def test_checkpoint_averaging_is_the_parameter_mean(trained):
   _, workdir, _ = trained
-  model = predict.Translator.from_workdir(workdir).model
-  last, _ = predict.restore_params(workdir, model, 20)
-  previous, _ = predict.restore_params(workdir, model, 10)
-  averaged, step = predict.restore_params(workdir, model, average_last=2)
+  init_params = predict.Predictor.from_workdir(workdir).family.init_params
+  last, _ = checkpoints.restore_params(workdir, init_params, 20)
+  previous, _ = checkpoints.restore_params(workdir, init_params, 10)
+  averaged, step = checkpoints.restore_params(workdir, init_params, average_last=2)
   assert step == 20
   for a, x, y in zip(*(jax.tree.leaves(t) for t in (averaged, last, previous))):
     np.testing.assert_allclose(a, (np.asarray(x, np.float64) + y) / 2, rtol=1e-6, atol=1e-7)

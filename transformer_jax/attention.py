@@ -21,28 +21,26 @@ _MASKED_SCORE = jnp.finfo(jnp.float32).min
 
 def causal_mask(length: int) -> Array:
   """[length, length] lower-triangular mask: position i may attend to positions <= i."""
-  return jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
+  return nn.make_causal_mask(jnp.zeros((length,)), dtype=jnp.bool_)[0]
 
 
 def padding_mask(query_tokens: Array, key_tokens: Array, pad_id: int = 0) -> Array:
   """[b, 1, q, k] mask: True where neither the query nor the key token is padding."""
-  return ((query_tokens != pad_id)[:, None, :, None] & (key_tokens != pad_id)[:, None, None, :])
+  return nn.make_attention_mask(query_tokens != pad_id, key_tokens != pad_id, dtype=jnp.bool_)
 
 
 def segment_mask(query_segments: Array, key_segments: Array) -> Array:
   """[b, 1, q, k] mask for packed sequences: True where query and key share a segment."""
-  return query_segments[:, None, :, None] == key_segments[:, None, None, :]
+  return nn.make_attention_mask(query_segments, key_segments, jnp.equal, dtype=jnp.bool_)
 
 
 def combine_masks(*masks: Array | None) -> Array | None:
-  """Logical AND of the masks that are not None (None if all are)."""
+  """Logical AND of the masks that are not None (None if all are); lower-rank masks (such
+  as a [q, k] causal mask) broadcast against the leading dimensions of the others."""
   present = [m for m in masks if m is not None]
-  if not present:
-    return None
-  combined = present[0]
-  for m in present[1:]:
-    combined = jnp.logical_and(combined, m)
-  return combined
+  rank = max((m.ndim for m in present), default=0)
+  present = [m.reshape((1,) * (rank - m.ndim) + m.shape) for m in present]
+  return nn.combine_masks(*present, dtype=jnp.bool_)
 
 
 def _attend(scores: Array, value: Array, mask: Array | None, dropout_rate: float,
@@ -113,9 +111,13 @@ class MultiHeadAttention(nn.Module):
     if self.qkv_dim % self.num_heads:
       raise ValueError(f"qkv_dim={self.qkv_dim} must be divisible by num_heads={self.num_heads}.")
     head_dim = self.qkv_dim // self.num_heads
+    # Logical axis names of the parameters, mapped to mesh axes by the jit layout's rules.
     projection = lambda parts, name: nn.DenseGeneral(
-        (parts, self.num_heads, head_dim), dtype=self.dtype, kernel_init=self.kernel_init,
-        name=name)
+        (parts, self.num_heads, head_dim), dtype=self.dtype,
+        kernel_init=nn.with_logical_partitioning(self.kernel_init,
+                                                 ("embed", None, "heads", "kv")),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(),
+                                               (None, "heads", "kv")), name=name)
     # Fused projections: one matmul for Q, K and V in self-attention (for K and V in
     # cross-attention) instead of three (two); measured in the README's performance section.
     if inputs_q is inputs_kv:
@@ -144,18 +146,23 @@ class MultiHeadAttention(nn.Module):
               mask, (query.shape[0], 1, query.shape[1], key.shape[1])),
           implementation=None if self.implementation == "auto" else self.implementation)
     else:
-      scores = self._scores(query, key, head_dim)  # [b, h, q, k]
-      out, weights = _attend(scores, value, mask, self.dropout_rate, dropout_rng)
+      if self.score == "dot_product":
+        out, weights = dot_product_attention(query, key, value, mask, return_weights=True,
+                                             dropout_rate=self.dropout_rate,
+                                             dropout_rng=dropout_rng)
+      else:
+        scores = self._scores(query, key, head_dim)  # [b, h, q, k]
+        out, weights = _attend(scores, value, mask, self.dropout_rate, dropout_rng)
       if capture:
         self.sow("intermediates", "attention_weights", weights)
-    return nn.DenseGeneral(inputs_q.shape[-1], axis=(-2, -1), dtype=self.dtype,
-                           kernel_init=self.kernel_init, name="out")(out)  # [b, q, emb]
+    return nn.DenseGeneral(
+        inputs_q.shape[-1], axis=(-2, -1), dtype=self.dtype,
+        kernel_init=nn.with_logical_partitioning(self.kernel_init, ("heads", "kv", "embed")),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
+        name="out")(out)  # [b, q, emb]
 
   def _scores(self, query: Array, key: Array, head_dim: int) -> Array:
-    """[b, h, q, k] float32 scores of every query against every key."""
-    if self.score == "dot_product":
-      scores = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
-      return scores / jnp.sqrt(jnp.float32(head_dim))
+    """[b, h, q, k] float32 scores of every query against every key (Luong / Bahdanau)."""
     init = nn.initializers.normal(stddev=head_dim ** -1.0)
     if self.score == "multiplicative":
       w = self.param("score_kernel", init, (self.num_heads, head_dim, head_dim))

@@ -29,10 +29,9 @@ from absl import flags
 from ml_collections import config_flags
 
 from transformer_jax import decoding
+from transformer_jax import families
 from transformer_jax import flops
-from transformer_jax import models
 from transformer_jax import parallel
-from transformer_jax import predict
 from transformer_jax import train
 
 config_flags.DEFINE_config_file("config", "configs/demo.py", "Model and optimizer config.",
@@ -61,17 +60,17 @@ def _timed(fn, steps: int, warmup: int) -> float:
   return (time.perf_counter() - start) / steps
 
 
-def train_step_runner(config, model, batch_size: int, seq_len: int) -> Callable[[], None]:
+def train_step_runner(config, family, batch_size: int, seq_len: int) -> Callable[[], None]:
   """A call that runs one training step (config.parallel's layout) on fixed random tokens and
   blocks until it is done; the state it updates lives in the closure."""
   layout = parallel.make_layout(config)
   rng = np.random.default_rng(0)
   batch = layout.train_batch({k: rng.integers(3, config.model.vocab_size, (batch_size, seq_len),
                                               dtype=np.int32) for k in ("inputs", "targets")})
-  create = functools.partial(train.create_state, config, model, jax.random.PRNGKey(0))
+  create = functools.partial(train.create_state, config, family, jax.random.PRNGKey(0))
   holder = {"state": layout.place_state(layout.create_state(create))}
   dropout = jax.random.PRNGKey(1)
-  step = train.compile_train_step(config, model, layout)
+  step = train.compile_train_step(config, family, layout)
 
   def run():
     holder["state"], sums = step(holder["state"], batch, dropout)
@@ -80,10 +79,10 @@ def train_step_runner(config, model, batch_size: int, seq_len: int) -> Callable[
   return run
 
 
-def train_speed(config, model, batch_size: int, seq_len: int, steps: int, warmup: int) -> dict:
+def train_speed(config, family, batch_size: int, seq_len: int, steps: int, warmup: int) -> dict:
   """Seconds per training step (config.parallel's layout) on random tokens, and target
   tokens per second."""
-  run = train_step_runner(config, model, batch_size, seq_len)
+  run = train_step_runner(config, family, batch_size, seq_len)
   start = time.perf_counter()
   run()
   compile_s = time.perf_counter() - start
@@ -97,18 +96,19 @@ def _no_pad(logits):
   return logits.at[:, 0].set(decoding.NEG_INF)
 
 
-def _cached_callback(model, params, encoded, source, batch_rows, decode_len):
-  cached = predict.cached_tokens_to_logits(model, params, encoded, source)
+def _cached_callback(family, params, encoded, source, batch_rows, decode_len):
+  cached = family.cached_tokens_to_logits(params, encoded, source)
 
   def tokens_to_logits(ids, cache):
     logits, cache = cached(ids, cache)
     return _no_pad(logits), cache
 
-  return tokens_to_logits, predict.init_cache(model, batch_rows, source.shape[1], decode_len)
+  return tokens_to_logits, family.init_cache(batch_rows, source.shape[1], decode_len)
 
 
-def _no_cache_callback(model, params, encoded, source, batch_rows, decode_len):
+def _no_cache_callback(family, params, encoded, source, batch_rows, decode_len):
   """tokens_to_logits that re-runs the decoder over the whole output buffer each step."""
+  model = family.model
 
   def tokens_to_logits(ids, cache):
     index = cache["index"]
@@ -125,7 +125,8 @@ def _no_cache_callback(model, params, encoded, source, batch_rows, decode_len):
                             "buffer": jnp.ones((batch_rows, decode_len), jnp.int32)}
 
 
-def _decode(params, inputs, *, model, decode_len: int, beam_size: int, use_cache: bool):
+def _decode(params, inputs, *, family, decode_len: int, beam_size: int, use_cache: bool):
+  model = family.model
   encoded = model.apply({"params": params}, inputs, deterministic=True, method=model.encode)
   source = inputs
   if beam_size > 1:
@@ -133,7 +134,7 @@ def _decode(params, inputs, *, model, decode_len: int, beam_size: int, use_cache
     source = decoding.flat_batch_beam_expand(inputs, beam_size)
   make_callback = _cached_callback if use_cache else _no_cache_callback
   # Caches are made per example; beam search expands them to its beams.
-  tokens_to_logits, cache = make_callback(model, params, encoded, source, inputs.shape[0],
+  tokens_to_logits, cache = make_callback(family, params, encoded, source, inputs.shape[0],
                                           decode_len)
   if beam_size > 1:
     return decoding.beam_search(inputs, cache, tokens_to_logits, beam_size=beam_size, alpha=0.6,
@@ -142,18 +143,17 @@ def _decode(params, inputs, *, model, decode_len: int, beam_size: int, use_cache
                                 eos_id=NEVER, max_decode_len=decode_len)
 
 
-def decode_speed(config, model, batch_size: int, decode_len: int, steps: int,
+def decode_speed(config, family, batch_size: int, decode_len: int, steps: int,
                  warmup: int) -> dict:
   rng = np.random.default_rng(0)
   source_len = min(32, config.model.max_len)
   inputs = jnp.asarray(rng.integers(3, config.model.vocab_size, (batch_size, source_len)),
                        jnp.int32)
-  params = jax.jit(lambda: model.init(jax.random.PRNGKey(0), inputs[:1], inputs[:1],
-                                      deterministic=True)["params"])()
+  params = jax.jit(lambda: family.init_params(jax.random.PRNGKey(0)))()
   result = {}
   for name, beam, cached in [("greedy", 1, True), ("greedy_no_cache", 1, False),
                              ("beam4", 4, True), ("beam4_no_cache", 4, False)]:
-    fn = jax.jit(functools.partial(_decode, model=model, decode_len=decode_len, beam_size=beam,
+    fn = jax.jit(functools.partial(_decode, family=family, decode_len=decode_len, beam_size=beam,
                                    use_cache=cached))
     seconds = _timed(lambda: jax.block_until_ready(fn(params, inputs)), steps, warmup)
     result[f"decode_{name}_tokens_per_s"] = batch_size * decode_len / seconds
@@ -170,12 +170,13 @@ def main(argv):
     if f.vocab_size:
       config.model.vocab_size = f.vocab_size
     config.model.max_len = max(config.model.max_len, f.seq_len, f.decode_len)
-  model_config = models.model_config(config.model)
-  model = models.EncoderDecoder(model_config)
+    config.task, config.architecture = "translation", "encoder_decoder"
+  family = families.get(config)
+  model_config = family.model_config
   device = jax.devices()[0]
   result = {"device": device.device_kind, "devices": jax.device_count(),
             "batch_size": f.batch_size, "seq_len": f.seq_len, "dtype": str(config.model.dtype)}
-  result.update(train_speed(config, model, f.batch_size, f.seq_len, f.steps, f.warmup))
+  result.update(train_speed(config, family, f.batch_size, f.seq_len, f.steps, f.warmup))
   step_flops = flops.train_step_flops(model_config, f.batch_size, f.seq_len, f.seq_len)
   if f.peak_tflops:
     peak, source = f.peak_tflops, "--peak_tflops"
@@ -188,7 +189,7 @@ def main(argv):
   if f.decode:
     result["decode_len"] = f.decode_len
     result["decode_batch_size"] = f.decode_batch_size
-    result.update(decode_speed(config, model, f.decode_batch_size, f.decode_len,
+    result.update(decode_speed(config, family, f.decode_batch_size, f.decode_len,
                                max(f.steps // 4, 2), 1))
   print(json.dumps(result), flush=True)
 

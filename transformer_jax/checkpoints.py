@@ -12,6 +12,7 @@ import os
 import re
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -245,3 +246,30 @@ def set_aside(workdir: str, checkpoints: ocp.CheckpointManager, steps: list[int]
     source.rename(target)
     logging.warning("Moved the damaged checkpoint %d to %s.", step, target)
   checkpoints.reload()
+
+
+def restore_params(workdir: str, init_params, step: int | None = None, average_last: int = 1,
+                   layout=None) -> tuple[Any, int]:
+  """A workdir's parameters at `step` (default: the newest good checkpoint), or the mean of
+  the last `average_last` checkpoints up to it (the paper averages the last 5 or 20).
+
+  `init_params(rng)` gives the parameters' shapes and logical axes (it is never run); they
+  are restored into `layout`'s shardings (default: one device), whatever layout saved them.
+  Returns (params, step).
+  """
+  abstract = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0)))
+  abstract = nn.meta.unbox(abstract) if layout is None else layout.abstract_params(abstract)
+  checkpoints = manager(workdir, read_only=True)
+  params, _, step = restore(checkpoints, abstract, step=step)
+  if average_last <= 1:
+    return params, step
+  steps = sorted(s for s in checkpoints.all_steps() if s <= step)[-average_last:]
+  if len(steps) < average_last:
+    logging.warning("Averaging %d checkpoints %s: only these are kept (config.keep_checkpoints).",
+                    len(steps), steps)
+  total = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
+  for other in steps[:-1]:
+    other_params, _, _ = restore(checkpoints, abstract, step=other)
+    total = jax.tree.map(lambda t, x: t + np.asarray(x, np.float64), total, other_params)
+  logging.info("Averaged the parameters of checkpoints %s.", steps)
+  return jax.tree.map(lambda t, x: (t / len(steps)).astype(x.dtype), total, params), step

@@ -14,7 +14,6 @@ from absl import logging
 
 from transformer_jax import evaluation
 from transformer_jax import metrics
-from transformer_jax import models
 from transformer_jax import predict
 from transformer_jax import summary_writer
 from transformer_jax import train
@@ -47,7 +46,8 @@ def run_evaluate(workdir: str, step: int | None = None, split: str = "test",
                      f"({', '.join(config.splits)}).")
   predictor = predict.Predictor.from_workdir(workdir, step, average_last, config)
   examples, _, encoded = train.prepare_data(config, workdir, (split,))
-  evaluator = evaluation.Evaluator(config, predictor)
+  evaluator = evaluation.Evaluator(config, predictor.family, predictor.tokenizer,
+                                   predictor.layout)
   result, rows = evaluator.evaluate_with_outputs(predictor.device_params, encoded[split],
                                                  examples[split])
   result.update(step=predictor.step, split=split, examples=len(encoded[split]),
@@ -105,11 +105,10 @@ def run_predict(workdir: str, input_path: str, output_path: str, step: int | Non
   answered (and flushed) as it arrives; files go in batches.
   """
   predictor = predict.Predictor.from_workdir(workdir, step, average_last, config)
-  classifier = isinstance(predictor.model, models.EncoderClassifier)
+  classifier = not predictor.family.generates_text
   if classifier and output_format == "jsonl":
     nbest = predictor.config.model.num_classes  # every class's probability
-  predict.check_nbest(predictor.config.decoding, nbest,
-                      predictor.config.model.num_classes if classifier else None)
+  predictor.family.check_nbest(predictor.config.decoding, nbest)
   chunk_size = 1 if _is_interactive(input_path) else 1024
   index = 0
   with workdir_lib.open_text(input_path, "r") as source, \

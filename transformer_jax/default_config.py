@@ -12,6 +12,9 @@ import os
 
 import ml_collections
 
+from transformer_jax import models
+from transformer_jax import parallel
+
 
 def load(path: str) -> ml_collections.ConfigDict:
   """`get_config()` of the config file at `path`, e.g. a sibling config to build a variant on."""
@@ -33,7 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
   # 'translation' (BLEU), 'summarization' (ROUGE), 'classification' (accuracy, macro-F1) or
   # 'multitask' (T5-style text-to-text mixture, each part scored by its own metric).
   config.task = "translation"
-  # Sequence-to-sequence model family: 'encoder_decoder', or 'decoder_only' (a prefix LM on
+  # Sequence-to-sequence model family: 'encoder_decoder', or 'decoder_only' (one causal LM over
   # `SOURCE <eos> TARGET <eos>`, loss on the target only). Classification always uses the
   # encoder with a pooling head.
   config.architecture = "encoder_decoder"
@@ -104,14 +107,22 @@ def get_config() -> ml_collections.ConfigDict:
   config.grad_clip_norm = 0.0
   # Seed for initialisation, data order and dropout.
   config.seed = 0
+  # Seed for the data itself: held-out splits drawn at load time (config.local.format
+  # 'label_files') and the capped samples of a mixture's parts. Apart from config.seed, so
+  # that a new training seed never changes the test set.
+  config.data_seed = 0
 
   # ---- Devices ----------------------------------------------------------------------------
   # How the devices share the work (see transformer_jax/parallel.py). mode 'pmap': data
   # parallel over every local device, state replicated. mode 'jit': one program over a
   # (data, fsdp, tensor) mesh of all devices: batch split over data x fsdp, parameters and
   # optimizer state split over fsdp (embedding dim) and tensor (heads, MLP, vocabulary); the
-  # sizes multiply to the device count, -1 = the rest.
-  config.parallel = ml_collections.ConfigDict(dict(mode="pmap", data=-1, fsdp=1, tensor=1))
+  # sizes multiply to the device count, -1 = the rest. logical_axis_rules (jit): which mesh
+  # axes each logical axis name of the parameters and activations is split over (the names
+  # are given where the parameters are created: models.py, attention.py, layers.py).
+  config.parallel = ml_collections.ConfigDict(dict(
+      mode="pmap", data=-1, fsdp=1, tensor=1,
+      logical_axis_rules=[list(rule) for rule in parallel.LOGICAL_RULES]))
 
   # ---- Logging, evaluation, checkpoints ---------------------------------------------------
   # Training batches built and placed on the devices this many steps ahead, in a background
@@ -142,24 +153,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.keep_checkpoints = 3
 
   # ---- Model ------------------------------------------------------------------------------
-  # Fields of transformer_jax.models.TransformerConfig (others keep their defaults there).
-  config.model = ml_collections.ConfigDict(dict(
-      vocab_size=512,  # also the tokenizer's size
-      emb_dim=128,
-      num_heads=4,
-      num_layers=3,
-      qkv_dim=128,
-      mlp_dim=512,
-      max_len=32,
-      dropout_rate=0.1,
-      attention_dropout_rate=0.0,
-      dtype="float32",
-      pre_ln=False,
-      position_embedding="sinusoidal",
-      attention_implementation="reference",  # or "xla", "cudnn", "auto" (jax.nn)
-      remat=False,  # recompute layer activations in the backward pass (less memory)
-      remat_policy="full",  # with remat: 'full', 'dots' or 'dots_no_batch' (models.py)
-      num_classes=2,  # classification
-      pooling="mean",  # classification: 'mean', 'first' or 'attention'
-  ))
+  # Every field of transformer_jax.models.TransformerConfig, with its default there (the one
+  # source of model defaults; each field's meaning is commented in the dataclass). Sizes
+  # (vocab_size, emb_dim, num_heads, num_layers, qkv_dim, mlp_dim, max_len) are set per
+  # experiment; dtype is a name, e.g. 'bfloat16'.
+  config.model = ml_collections.ConfigDict(models.config_defaults())
   return config

@@ -32,17 +32,17 @@ def sinusoidal_positions(length: int, dim: int, base: float = 10000.0) -> np.nda
 
 
 def dropout_keep_mask(rng: Array, rate: float, shape: tuple[int, ...]) -> tuple[Array, float]:
-  """Boolean keep-mask with P(keep) = 1 - rate (rate rounded to a multiple of 1/256).
+  """Boolean keep-mask with P(keep) = 1 - rate, rate rounded to a multiple of 2^-16.
 
-  Each random 32-bit word gives four 8-bit draws: 4x fewer random bits than
-  `jax.random.bernoulli`, which on CPU makes dropout ~2.4x cheaper (see README).
+  Each random 32-bit word gives two 16-bit draws: half the random bits of
+  `jax.random.bernoulli`, which makes dropout masks cheaper on CPU (benchmarks/RESULTS.md).
   Returns the mask and the exact keep probability, for rescaling.
   """
-  threshold = int(round(rate * 256))
+  threshold = int(round(rate * 65536))
   size = math.prod(shape)
-  words = jax.random.bits(rng, ((size + 3) // 4,), jnp.uint32)
-  draws = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)[:size].reshape(shape)
-  return draws >= threshold, 1.0 - threshold / 256
+  words = jax.random.bits(rng, ((size + 1) // 2,), jnp.uint32)
+  draws = jax.lax.bitcast_convert_type(words, jnp.uint16).reshape(-1)[:size].reshape(shape)
+  return draws >= threshold, 1.0 - threshold / 65536
 
 
 @jax.custom_vjp
@@ -71,7 +71,8 @@ tied_logits.defvjp(_tied_logits_fwd, _tied_logits_bwd)
 
 
 class Dropout(nn.Module):
-  """Inverted dropout like `nn.Dropout`, with the cheaper mask of `dropout_keep_mask`."""
+  """Inverted dropout like `nn.Dropout`, with the cheaper mask of `dropout_keep_mask`
+  (kept because it pays: see benchmarks/RESULTS.md)."""
   rate: float
 
   @nn.compact
@@ -96,15 +97,21 @@ class PositionEmbedding(nn.Module):
   def __call__(self, x: Array, positions: Array | None = None, *, decode: bool = False,
                decode_offset: Array | None = None) -> Array:
     """`decode_offset` [b]: in decode mode, row i's tokens sit offset[i] positions before
-    their cache slots (a right-padded prompt of a prefix LM was filled in first)."""
+    their cache slots (a decoder-only model's right-padded prompts were filled in first)."""
     length, dim = x.shape[1], x.shape[2]
     if self.kind == "sinusoidal":
       table = jnp.asarray(sinusoidal_positions(self.max_len, dim, self.base))
     elif self.kind == "learned":
-      table = self.param("pos_embedding", nn.initializers.normal(stddev=0.02), (self.max_len, dim))
+      table = self.param("pos_embedding", nn.with_logical_partitioning(
+          nn.initializers.normal(stddev=0.02), (None, "embed")), (self.max_len, dim))
     else:
       raise ValueError(f"Unknown position embedding kind {self.kind!r}: use 'sinusoidal' or "
                        "'learned'.")
+    if length > self.max_len and not (decode and self.has_variable("cache", "position_index")):
+      # A gather past the table's end would give NaN, not an error.
+      raise ValueError(f"A sequence of {length} tokens is longer than the model's position "
+                       f"range config.model.max_len={self.max_len}; raise max_len or shorten "
+                       "max_source_length / max_target_length / max_decode_len.")
     if decode:
       initialized = self.has_variable("cache", "position_index")
       index = self.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
@@ -138,14 +145,19 @@ class FeedForward(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, *, deterministic: bool = True) -> Array:
-    dense = lambda features, name: nn.Dense(features, dtype=self.dtype,
-                                            kernel_init=self.kernel_init, name=name)
+    # Logical axis names of the parameters, mapped to mesh axes by the jit layout's rules.
+    dense = lambda features, axes, name: nn.Dense(
+        features, dtype=self.dtype, kernel_init=nn.with_logical_partitioning(self.kernel_init, axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]), name=name)
     if self.activation not in _ACTIVATIONS:
       raise ValueError(f"Unknown feed-forward activation {self.activation!r}: use 'relu', "
                        "'gelu', 'geglu' or 'reglu'.")
     act, gated = _ACTIVATIONS[self.activation]
-    hidden = dense(self.mlp_dim, "wi")(x)  # [b, len, mlp]
-    hidden = act(dense(self.mlp_dim, "wi_gate")(x)) * hidden if gated else act(hidden)
+    hidden = dense(self.mlp_dim, ("embed", "mlp"), "wi")(x)  # [b, len, mlp]
+    if gated:
+      hidden = act(dense(self.mlp_dim, ("embed", "mlp"), "wi_gate")(x)) * hidden
+    else:
+      hidden = act(hidden)
     hidden = nn.with_logical_constraint(hidden, ("batch", "length", "mlp"))  # jit layout only
     hidden = Dropout(self.dropout_rate)(hidden, deterministic=deterministic)
-    return dense(x.shape[-1], "wo")(hidden)  # [b, len, emb]
+    return dense(x.shape[-1], ("mlp", "embed"), "wo")(hidden)  # [b, len, emb]

@@ -2,62 +2,16 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import sacrebleu
 
 Array = jax.Array
-
-
-def _at_targets(logits: Array, targets: Array) -> Array:
-  """logits[..., targets]: [..., vocab], [...] -> [...]."""
-  return jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-
-
-def _cross_entropy_forward(logits: Array, targets: Array, confidence: float, low: float):
-  """Smoothed and plain cross-entropy from one pass of exp; the softmax is kept for backward."""
-  logits = logits.astype(jnp.float32)
-  vocab_size = logits.shape[-1]
-  shifted = logits - jnp.max(logits, axis=-1, keepdims=True)  # [..., vocab]
-  exp = jnp.exp(shifted)
-  sum_exp = jnp.sum(exp, axis=-1)
-  log_sum_exp = jnp.log(sum_exp)
-  # A gather: the custom VJP below means autodiff never turns it into a scatter.
-  target_log_probs = _at_targets(shifted, targets) - log_sum_exp
-  sum_log_probs = jnp.sum(shifted, axis=-1) - vocab_size * log_sum_exp
-  # -(confidence * log p[target] + low * sum of the other log p).
-  smoothed = -(confidence * target_log_probs + low * (sum_log_probs - target_log_probs))
-  return (smoothed, -target_log_probs), exp / sum_exp[..., None]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _cross_entropy(logits, targets, confidence, low):
-  return _cross_entropy_forward(logits, targets, confidence, low)[0]
-
-
-def _cross_entropy_fwd(logits, targets, confidence, low):
-  outputs, probs = _cross_entropy_forward(logits, targets, confidence, low)
-  return outputs, (probs, targets, jnp.zeros((), logits.dtype))  # the last carries the dtype
-
-
-def _cross_entropy_bwd(confidence, low, residuals, cotangents):
-  # d/dlogits of -sum_j q_j log p_j is p - q, with q the (smoothed or one-hot) target
-  # distribution: one elementwise pass, where autodiff of log_softmax recomputes the softmax.
-  probs, targets, dtype_carrier = residuals
-  g_smoothed, g_plain = cotangents
-  one_hot = jax.nn.one_hot(targets, probs.shape[-1], dtype=jnp.float32)
-  smoothed_targets = low + (confidence - low) * one_hot
-  grad = (g_smoothed[..., None] * (probs - smoothed_targets) +
-          g_plain[..., None] * (probs - one_hot))
-  return grad.astype(dtype_carrier.dtype), None
-
-
-_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
 def smoothed_cross_entropy(logits: Array, targets: Array, label_smoothing: float = 0.0, *,
@@ -65,35 +19,36 @@ def smoothed_cross_entropy(logits: Array, targets: Array, label_smoothing: float
   """Per-token cross-entropy [b, len] against label-smoothed one-hot targets, in float32.
 
   The smoothed distribution puts 1 - label_smoothing on the target and spreads the rest over
-  the other classes; its entropy is subtracted so that a perfect prediction scores 0. With
-  `also_unsmoothed`, also returns the plain -log p[target] from the same softmax (the
-  training step reports it without a second pass over the vocabulary). The gradient is the
-  closed form p - q (custom VJP), which saves a softmax in the backward pass.
+  the other classes (flax examples/wmt's convention); its entropy is subtracted so that a
+  perfect prediction scores 0. With `also_unsmoothed`, also returns the plain
+  -log p[target] (what the training step reports).
   """
+  logits = logits.astype(jnp.float32)
   vocab_size = logits.shape[-1]
-  confidence = 1.0 - label_smoothing
-  low_confidence = label_smoothing / (vocab_size - 1)
-  cross_entropy, unsmoothed = _cross_entropy(logits, targets, confidence, low_confidence)
+  unsmoothed = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
   if label_smoothing > 0:
-    cross_entropy -= -(confidence * math.log(confidence) +
-                       label_smoothing * math.log(low_confidence))  # smoothed targets' entropy
+    confidence = 1.0 - label_smoothing
+    low_confidence = label_smoothing / (vocab_size - 1)
+    soft_targets = optax.smooth_labels(jax.nn.one_hot(targets, vocab_size),
+                                       label_smoothing * vocab_size / (vocab_size - 1))
+    cross_entropy = optax.softmax_cross_entropy(logits, soft_targets) + (
+        confidence * math.log(confidence) +
+        label_smoothing * math.log(low_confidence))  # minus the smoothed targets' entropy
+  else:
+    cross_entropy = unsmoothed
   return (cross_entropy, unsmoothed) if also_unsmoothed else cross_entropy
 
 
 def token_metrics(logits: Array, targets: Array, weights: Array,
                   unsmoothed_loss: Array | None = None) -> dict[str, Array]:
-  """Summed unsmoothed loss and correct-token count, with their denominator.
-
-  A token is correct when its target's logit is the largest (a tie counts as correct). This
-  compares against the row maximum, which the loss computes anyway, instead of an argmax:
-  on CPU an argmax over the vocabulary costs as much as the softmax.
-  """
+  """Summed unsmoothed loss and correct-token count (argmax == target), with their
+  denominator."""
   weights = weights.astype(jnp.float32)
   if unsmoothed_loss is None:
     unsmoothed_loss = smoothed_cross_entropy(logits, targets)
-  loss = unsmoothed_loss * weights
-  correct = (_at_targets(logits, targets) >= jnp.max(logits, axis=-1)) * weights
-  return {"loss": jnp.sum(loss), "accuracy": jnp.sum(correct), "denominator": jnp.sum(weights)}
+  correct = (jnp.argmax(logits, axis=-1) == targets) * weights
+  return {"loss": jnp.sum(unsmoothed_loss * weights), "accuracy": jnp.sum(correct),
+          "denominator": jnp.sum(weights)}
 
 
 def normalize(sums: Mapping[str, float]) -> dict[str, float]:

@@ -2,7 +2,8 @@
 
 Three families share one encoder stack and one decoder stack:
   EncoderDecoder     translation, summarization: (inputs, targets) -> [b, tgt_len, vocab]
-  DecoderOnly        causal language model, also as prefix LM: tokens -> [b, len, vocab]
+  DecoderOnly        causal language model (also over `SOURCE <eos> TARGET`): tokens ->
+                     [b, len, vocab]
   EncoderClassifier  encoder + pooling + dense head: inputs -> [b, num_classes]
 
 Token id 0 is padding everywhere. Packed examples carry `*_segmentation` (segment ids, 0 =
@@ -26,7 +27,11 @@ Array = jax.Array
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-  """Hyper-parameters; names follow flax `examples/wmt` where they overlap."""
+  """Hyper-parameters; names follow flax `examples/wmt` where they overlap.
+
+  The one source of model defaults: `config.model` in default_config.py holds these fields
+  with these values (the paper's base model; experiment configs set their own sizes).
+  """
   vocab_size: int = 32000
   emb_dim: int = 512
   num_heads: int = 8
@@ -36,7 +41,7 @@ class TransformerConfig:
   mlp_dim: int = 2048
   max_len: int = 256
   dropout_rate: float = 0.1  # residual: embeddings and every sub-layer output
-  attention_dropout_rate: float = 0.1  # on the attention weights
+  attention_dropout_rate: float = 0.0  # on the attention weights
   activation_dropout_rate: float | None = None  # inside the FFN; None = dropout_rate
   dtype: Any = jnp.float32  # activation dtype; parameters stay float32
   pre_ln: bool = False  # False: post-LN as in the paper; True: pre-LN
@@ -110,6 +115,13 @@ def model_config(model_dict, **overrides) -> TransformerConfig:
   return TransformerConfig(**fields)
 
 
+def config_defaults() -> dict:
+  """Every TransformerConfig field and its default, the dtype by name: `config.model`."""
+  fields = dataclasses.asdict(TransformerConfig())
+  fields["dtype"] = jnp.dtype(fields["dtype"]).name
+  return fields
+
+
 def shift_right(targets: Array, bos_id: int, segmentation: Array | None = None) -> Array:
   """Decoder inputs: `bos` then the targets, one step later; packed segments each get a bos."""
   shifted = jnp.pad(targets, ((0, 0), (1, 0)))[:, :-1]
@@ -144,10 +156,26 @@ class SublayerConnection(nn.Module):
   @nn.compact
   def __call__(self, x: Array, sublayer, *, deterministic: bool) -> Array:
     c = self.config
-    norm = nn.LayerNorm(epsilon=c.layer_norm_epsilon, dtype=c.dtype, name="norm")
+    norm = _layer_norm(c, "norm")
     y = sublayer(norm(x) if c.pre_ln else x)
     y = layers.Dropout(c.dropout_rate)(y, deterministic=deterministic)
     return x + y if c.pre_ln else norm(x + y)
+
+
+def _layer_norm(c: TransformerConfig, name: str) -> nn.LayerNorm:
+  embed = lambda init: nn.with_logical_partitioning(init, ("embed",))
+  return nn.LayerNorm(epsilon=c.layer_norm_epsilon, dtype=c.dtype, name=name,
+                      scale_init=embed(nn.initializers.ones_init()),
+                      bias_init=embed(nn.initializers.zeros_init()))
+
+
+def _logits_dense(c: TransformerConfig) -> nn.Dense:
+  """The output layer when it is not tied to the embedding."""
+  return nn.Dense(c.vocab_size, dtype=jnp.float32,
+                  kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
+                                                           ("embed", "vocab")),
+                  bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(),
+                                                         ("vocab",)))
 
 
 def _attention(c: TransformerConfig, name: str, score: str = "dot_product"):
@@ -210,7 +238,7 @@ class EncoderStack(nn.Module):
     for i in range(c.num_layers):
       x = layer(c, name=f"layer_{i}")(residual_stream(x), mask, deterministic)
     if c.pre_ln if c.final_norm is None else c.final_norm:
-      x = nn.LayerNorm(epsilon=c.layer_norm_epsilon, dtype=c.dtype, name="final_norm")(x)
+      x = _layer_norm(c, "final_norm")(x)
     return x
 
 
@@ -227,7 +255,7 @@ class DecoderStack(nn.Module):
       y = layer(c, name=f"layer_{i}")(residual_stream(y), encoded, self_mask, cross_mask,
                                       deterministic, decode)
     if c.pre_ln if c.final_norm is None else c.final_norm:
-      y = nn.LayerNorm(epsilon=c.layer_norm_epsilon, dtype=c.dtype, name="final_norm")(y)
+      y = _layer_norm(c, "final_norm")(y)
     return y
 
 
@@ -238,8 +266,8 @@ class TokenEmbedding(nn.Module):
   def setup(self):
     c = self.config
     # Scaled by sqrt(emb_dim) on lookup, so initialised with stddev 1/sqrt(emb_dim).
-    self.embedding = nn.Embed(c.vocab_size, c.emb_dim,
-                              embedding_init=nn.initializers.normal(stddev=c.emb_dim ** -0.5))
+    self.embedding = nn.Embed(c.vocab_size, c.emb_dim, embedding_init=nn.with_logical_partitioning(
+        nn.initializers.normal(stddev=c.emb_dim ** -0.5), ("vocab", "embed")))
 
   def __call__(self, tokens: Array) -> Array:
     c = self.config
@@ -274,7 +302,7 @@ class EncoderDecoder(nn.Module):
     self.encoder = EncoderStack(c, name="encoder")
     self.decoder = DecoderStack(c, name="decoder")
     if not c.tie_output:
-      self.logits_dense = nn.Dense(c.vocab_size, dtype=jnp.float32)
+      self.logits_dense = _logits_dense(c)
     self.dropout = layers.Dropout(c.dropout_rate)
 
   def encode(self, inputs: Array, inputs_position: Array | None = None,
@@ -330,7 +358,7 @@ class EncoderDecoder(nn.Module):
 class DecoderOnly(nn.Module):
   """Causal language model. Training: logits[t] predicts tokens[t] (shifted right here).
 
-  As a prefix LM (decoder-only summarization) the tokens are `SOURCE <eos> TARGET <eos>` and
+  Conditioned on a source (decoder-only summarization) the tokens are `SOURCE <eos> TARGET <eos>` and
   the loss weights are 0 on the source part. Decoding (`decode=True`): `tokens` are fed as
   they are, several at once to fill a prompt, then one per call, with the KV cache.
   """
@@ -342,7 +370,7 @@ class DecoderOnly(nn.Module):
     self.positions = _positions(c, "positions")
     self.decoder = DecoderStack(c, name="decoder")
     if not c.tie_output:
-      self.logits_dense = nn.Dense(c.vocab_size, dtype=jnp.float32)
+      self.logits_dense = _logits_dense(c)
     self.dropout = layers.Dropout(c.dropout_rate)
 
   def __call__(self, tokens: Array, positions: Array | None = None,

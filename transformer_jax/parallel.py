@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -30,8 +29,10 @@ from jax.sharding import PartitionSpec as P
 AXIS = "batch"  # the pmap axis name that collectives reduce over
 MESH_AXES = ("data", "fsdp", "tensor")
 
-# Logical axis name -> mesh axes. Parameters use vocab / embed / heads / kv / mlp; activations
-# batch / length / heads / kv / mlp (their embedding dimension stays whole: see models.py).
+# The default `config.parallel.logical_axis_rules`: logical axis name -> mesh axes. Parameters
+# are created with vocab / embed / heads / kv / mlp names (`nn.with_logical_partitioning` in
+# models.py, attention.py, layers.py); activations are constrained with batch / length /
+# heads / kv / mlp (their embedding dimension stays whole: see models.residual_stream).
 LOGICAL_RULES = (
     ("batch", ("data", "fsdp")),
     ("vocab", "tensor"),
@@ -48,46 +49,10 @@ def psum(tree: Any, axis_name: str | None) -> Any:
   return tree if axis_name is None else jax.lax.psum(tree, axis_name)
 
 
-def param_logical_axes(path: tuple[str, ...], ndim: int) -> tuple[str | None, ...]:
-  """Logical axis names of a parameter (or its optimizer moments) from its module path.
-
-  Names follow models.py: the attention projections `qkv` / `query` / `kv` have kernels
-  [embed, parts, heads, head_dim] and `out` [heads, head_dim, embed]; the FFN's `wi` / `wi_gate`
-  [embed, mlp] and `wo` [mlp, embed]; embeddings [vocab, embed]. Anything else is replicated.
-  """
-  name = path[-1] if path else ""
-  parent = path[-2] if len(path) > 1 else ""
-  by_parent = {
-      ("qkv", "kernel"): ("embed", None, "heads", "kv"), ("qkv", "bias"): (None, "heads", "kv"),
-      ("query", "kernel"): ("embed", None, "heads", "kv"),
-      ("query", "bias"): (None, "heads", "kv"),
-      ("kv", "kernel"): ("embed", None, "heads", "kv"), ("kv", "bias"): (None, "heads", "kv"),
-      ("out", "kernel"): ("heads", "kv", "embed"), ("out", "bias"): ("embed",),
-      ("wi", "kernel"): ("embed", "mlp"), ("wi", "bias"): ("mlp",),
-      ("wi_gate", "kernel"): ("embed", "mlp"), ("wi_gate", "bias"): ("mlp",),
-      ("wo", "kernel"): ("mlp", "embed"), ("wo", "bias"): ("embed",),
-      ("logits_dense", "kernel"): ("embed", "vocab"), ("logits_dense", "bias"): ("vocab",),
-  }
-  axes = by_parent.get((parent, name))
-  if axes is None and name == "embedding":
-    axes = ("vocab", "embed")
-  elif axes is None and name == "pos_embedding":
-    axes = (None, "embed")
-  elif axes is None and re.search("norm", parent) and name in ("scale", "bias"):
-    axes = ("embed",)
-  if axes is None or len(axes) != ndim:
-    return (None,) * ndim
-  return axes
-
-
-def _path_names(path) -> tuple[str, ...]:
-  names = []
-  for entry in path:
-    for attr in ("key", "name"):
-      if hasattr(entry, attr):
-        names.append(str(getattr(entry, attr)))
-        break
-  return tuple(names)
+def as_rules(rules) -> tuple:
+  """Logical axis rules as tuples (a saved config holds them as JSON lists)."""
+  return tuple((name, tuple(axes) if isinstance(axes, (list, tuple)) else axes)
+               for name, axes in rules)
 
 
 class DataParallel:
@@ -105,7 +70,8 @@ class DataParallel:
     return len(self.devices)
 
   def place_state(self, tree: Any) -> Any:
-    """One copy of `tree` on every local device (leading axis = local device).
+    """One copy of `tree` (host or single-device arrays) on every local device (leading axis
+    = local device), never sharing the input's buffers.
 
     Placed with the sharding that pmap gives its outputs, so a step fed the replicated state
     and then its own output compiles once, not twice.
@@ -116,12 +82,13 @@ class DataParallel:
 
   place_params = place_state
 
-  def abstract_params(self, abstract: Any) -> Any:
-    return abstract  # restored on the default device, then replicated
+  def abstract_params(self, boxed_abstract: Any) -> Any:
+    return nn.meta.unbox(boxed_abstract)  # restored on the default device, then replicated
 
   def create_state(self, create: Callable[[], Any]) -> Any:
-    """On the default device; `place_state` replicates it (after any restore)."""
-    return jax.jit(create)()
+    """`create()` (boxed parameters) run on the default device; `place_state` replicates it
+    (after any restore)."""
+    return jax.jit(lambda: nn.meta.unbox(create()))()
 
   def train_batch(self, batch: Any) -> Any:
     return shard(batch)
@@ -161,8 +128,9 @@ class MeshParallel:
   mode = "jit"
   axis_name = None
 
-  def __init__(self, data: int = -1, fsdp: int = 1, tensor: int = 1):
+  def __init__(self, data: int = -1, fsdp: int = 1, tensor: int = 1, rules=LOGICAL_RULES):
     self.mesh = make_mesh(data, fsdp, tensor)
+    self.rules = as_rules(rules)
     self.replicated = NamedSharding(self.mesh, P())
     self.batch_sharding = NamedSharding(self.mesh, P(("data", "fsdp")))
 
@@ -170,11 +138,11 @@ class MeshParallel:
   def eval_devices(self) -> int:
     return self.mesh.shape["data"] * self.mesh.shape["fsdp"]
 
-  def sharding_of(self, path, leaf) -> NamedSharding:
-    """The parameter rule's sharding; a dimension that does not divide stays whole."""
+  def _sharding(self, leaf, logical: P) -> NamedSharding:
+    """The rules' sharding of one array; a dimension that does not divide stays whole."""
     shape = np.shape(leaf)
-    axes = param_logical_axes(_path_names(path), len(shape))
-    spec = nn.logical_to_mesh_axes(axes, LOGICAL_RULES)
+    spec = nn.logical_to_mesh_axes(tuple(logical) + (None,) * (len(shape) - len(logical)),
+                                   self.rules)
     dims = []
     for size, mesh_axes in zip(shape, spec):
       names = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
@@ -182,25 +150,31 @@ class MeshParallel:
       dims.append(mesh_axes if names and size % ways == 0 else None)
     return NamedSharding(self.mesh, P(*dims))
 
-  def shardings(self, tree: Any) -> Any:
-    return jax.tree_util.tree_map_with_path(self.sharding_of, tree)
+  def shardings(self, boxed_tree: Any) -> Any:
+    """Shardings of the unboxed `boxed_tree`: parameters (and their optimizer moments) by the
+    logical axis names they were created with, everything else replicated."""
+    return jax.tree.map(self._sharding, nn.meta.unbox(boxed_tree),
+                        nn.get_partition_spec(boxed_tree))
 
   def place_state(self, tree: Any) -> Any:
-    return jax.device_put(tree, self.shardings(tree))
+    """Leaves each array where it is (created or restored into its sharding already)."""
+    return tree
 
-  place_params = place_state
+  def place_params(self, params: Any) -> Any:
+    """A copy of restored parameters in their shardings, sharing no buffers with them."""
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), params)
 
-  def abstract_params(self, abstract: Any) -> Any:
+  def abstract_params(self, boxed_abstract: Any) -> Any:
     """Restore targets that carry their shardings: each device reads only its part."""
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        abstract, self.shardings(abstract))
+                        nn.meta.unbox(boxed_abstract), self.shardings(boxed_abstract))
 
   def create_state(self, create: Callable[[], Any]) -> Any:
-    """Initialised directly into its shardings: no device ever holds the whole state.
-    `place_state` then leaves it where it is."""
+    """`create()` (boxed parameters) run directly into its shardings: no device ever holds
+    the whole state."""
     with self.tracing():
       shardings = self.shardings(jax.eval_shape(create))
-      return jax.jit(create, out_shardings=shardings)()
+      return jax.jit(lambda: nn.meta.unbox(create()), out_shardings=shardings)()
 
   def train_batch(self, batch: Any) -> Any:
     """This process's rows of the global batch -> global arrays split over data x fsdp."""
@@ -253,7 +227,7 @@ class MeshParallel:
   @contextlib.contextmanager
   def tracing(self):
     """Mesh and logical rules in scope, so the models' activation constraints take effect."""
-    with jax.set_mesh(self.mesh), nn.logical_axis_rules(LOGICAL_RULES):
+    with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
       yield
 
 
@@ -289,12 +263,12 @@ def make_layout(config: ml_collections.ConfigDict, *, fit_devices: bool = False)
     return DataParallel()
   if p.mode == "jit":
     try:
-      layout = MeshParallel(p.data, p.fsdp, p.tensor)
+      layout = MeshParallel(p.data, p.fsdp, p.tensor, p.logical_axis_rules)
     except ValueError as e:
       if not fit_devices:
         raise
       logging.info("%s Using a data-parallel mesh instead.", e)
-      layout = MeshParallel(-1, 1, 1)
+      layout = MeshParallel(-1, 1, 1, p.logical_axis_rules)
     tensor = layout.mesh.shape["tensor"]
     for key in ("num_heads", "mlp_dim"):
       if config.model[key] % tensor:

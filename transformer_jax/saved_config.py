@@ -13,7 +13,7 @@ from transformer_jax import workdir as workdir_lib
 
 # Keys that describe the trained model and its data: evaluate / predict cannot change them.
 FIXED_KEYS = ("task", "architecture", "dataset", "local", "tfds", "splits", "demo.num_train",
-              "demo.num_validation", "demo.num_test", "demo.seed", "label_names", "mixture",
+              "demo.num_validation", "demo.num_test", "demo.seed", "data_seed", "label_names", "mixture",
               "tokenizer", "max_source_length", "max_target_length", "model")
 
 

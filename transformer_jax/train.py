@@ -20,9 +20,9 @@ from jax.experimental import multihost_utils
 from transformer_jax import checkpoints
 from transformer_jax import config_validation
 from transformer_jax import evaluation
+from transformer_jax import families
 from transformer_jax import metrics
 from transformer_jax import parallel
-from transformer_jax import predict
 from transformer_jax import preemption
 from transformer_jax import run_lock
 from transformer_jax import saved_config
@@ -30,6 +30,7 @@ from transformer_jax import summary_writer
 from transformer_jax import tasks
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax import workdir as workdir_lib
+from transformer_jax.data import examples as examples_lib
 from transformer_jax.data import pipeline
 from transformer_jax.data import sources
 
@@ -94,15 +95,16 @@ def prepare_data(config: ml_collections.ConfigDict, workdir: str, splits=sources
   """Examples of `splits`, the workdir's tokenizer (made on first use), token features."""
   # The training split is read for the tokenizer only when the workdir has none yet.
   needs_train = not (config.tokenizer.path or workdir_lib.tokenizer_path(workdir).exists())
-  examples = sources.load_examples(config, sorted(set(splits) | ({"train"} if needs_train
+  examples = examples_lib.load_examples(config, sorted(set(splits) | ({"train"} if needs_train
                                                                   else set())))
   tokenizer = load_tokenizer(config, workdir, examples.get("train", []))
+  family = families.get(config)
   encoded = {}
   for split in splits:
     # Only training may drop examples: an evaluation must score every reference.
     drop = split == "train" and config.overlong == "drop"
-    encoded[split], overlong = tasks.encode_examples(examples[split], tokenizer, config,
-                                                     drop_overlong=drop)
+    encoded[split], overlong = family.encode_examples(examples[split], tokenizer,
+                                                      drop_overlong=drop)
     if overlong:
       logging.warning("%s: %d of %d examples longer than max_source_length=%d / "
                       "max_target_length=%d tokens were %s.", split, overlong,
@@ -111,7 +113,7 @@ def prepare_data(config: ml_collections.ConfigDict, workdir: str, splits=sources
   return examples, tokenizer, encoded
 
 
-def train_step(state: train_state.TrainState, batch, rng, *, model: nn.Module,
+def train_step(state: train_state.TrainState, batch, rng, *, family: families.Family,
                label_smoothing: float, grad_accum_steps: int = 1,
                axis_name: str | None = parallel.AXIS):
   """One update on the global batch, under either layout (see parallel.py).
@@ -128,14 +130,14 @@ def train_step(state: train_state.TrainState, batch, rng, *, model: nn.Module,
   if axis_name is not None:
     step_rng = jax.random.fold_in(step_rng, jax.lax.axis_index(axis_name))
   # Dividing by the global token count makes the summed gradients an exact token mean.
-  denominator = parallel.psum(jnp.sum(tasks.labels_and_weights(batch)[1]), axis_name)
+  denominator = parallel.psum(jnp.sum(family.labels_and_weights(batch)[1]), axis_name)
 
   def micro_step(micro_batch, dropout_rng):
-    labels, weights = tasks.labels_and_weights(micro_batch)
+    labels, weights = family.labels_and_weights(micro_batch)
 
     def loss_fn(params):
-      logits = tasks.forward(model, params, micro_batch, deterministic=False,
-                             rngs={"dropout": dropout_rng})
+      logits = family.forward(params, micro_batch, deterministic=False,
+                              rngs={"dropout": dropout_rng})
       loss, unsmoothed = metrics.smoothed_cross_entropy(logits, labels, label_smoothing,
                                                         also_unsmoothed=True)
       return jnp.sum(loss * weights) / denominator, (logits, unsmoothed)
@@ -167,19 +169,22 @@ def train_step(state: train_state.TrainState, batch, rng, *, model: nn.Module,
   return new_state, dict(sums, nonfinite_steps=jnp.where(finite, 0.0, 1.0))
 
 
-def compile_train_step(config: ml_collections.ConfigDict, model: nn.Module, layout=None):
+def compile_train_step(config: ml_collections.ConfigDict, family: families.Family,
+                       layout=None):
   """`train_step` for this config, compiled by `layout` (default: pmap) with the state donated
   (updated in place). Call it as step(placed_state, placed_batch, rng)."""
   layout = layout or parallel.DataParallel()
   return layout.compile_train_step(functools.partial(
-      train_step, model=model, label_smoothing=config.label_smoothing,
+      train_step, family=family, label_smoothing=config.label_smoothing,
       grad_accum_steps=config.grad_accum_steps, axis_name=layout.axis_name))
 
 
-def create_state(config: ml_collections.ConfigDict, model: nn.Module,
+def create_state(config: ml_collections.ConfigDict, family: families.Family,
                  rng) -> train_state.TrainState:
-  return train_state.TrainState.create(apply_fn=model.apply,
-                                       params=tasks.init_params(model, rng),
+  """A fresh training state. Its parameters (and their optimizer moments) are boxed with
+  their logical axis names; the layout's `create_state` places and unboxes them."""
+  return train_state.TrainState.create(apply_fn=family.model.apply,
+                                       params=family.init_params(rng, boxed=True),
                                        tx=make_optimizer(config))
 
 
@@ -252,7 +257,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
                      "config.data_dir and config.splits.")
   train_batches = pipeline.TrainBatches(
       encoded["train"], global_batch_size, config.seed,
-      pack=config.pack_examples and tasks.family(config) != "encoder_classifier",
+      pack=config.pack_examples and family.packable,
       process_index=jax.process_index(), process_count=jax.process_count())
   eval_data, eval_examples = encoded[config.eval_split], examples[config.eval_split]
   logging.info("Data: %d train / %d %s examples; vocabulary %d; global batch %d on %d devices.",
@@ -260,16 +265,17 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
                global_batch_size, jax.device_count())
 
   # ---- Model and optimizer --------------------------------------------------------------
-  model = tasks.make_model(config)
-  if tokenizer.vocab_size > model.config.vocab_size:
+  family = families.get(config)
+  if tokenizer.vocab_size > family.model_config.vocab_size:
     raise ValueError(f"The tokenizer has {tokenizer.vocab_size} pieces but config.model."
-                     f"vocab_size={model.config.vocab_size}; raise config.model.vocab_size.")
+                     f"vocab_size={family.model_config.vocab_size}; raise config.model."
+                     "vocab_size.")
   rng = jax.random.PRNGKey(config.seed)
   init_rng, dropout_rng = jax.random.split(rng)
   # Under jit the state is created already sharded: no device ever holds all of it.
-  state = layout.create_state(functools.partial(create_state, config, model, init_rng))
+  state = layout.create_state(functools.partial(create_state, config, family, init_rng))
   num_params = sum(x.size for x in jax.tree.leaves(state.params))
-  logging.info("Model: %s %s parameters; %s layout.", f"{num_params:,}", type(model).__name__,
+  logging.info("Model: %s %s parameters; %s layout.", f"{num_params:,}", family.name,
                layout.mode)
 
   # ---- Restore --------------------------------------------------------------------------
@@ -297,8 +303,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   start_step = int(state.step)
 
   # ---- Compiled steps -------------------------------------------------------------------
-  p_train_step = compile_train_step(config, model, layout)
-  evaluator = evaluation.Evaluator(config, predict.Predictor(config, tokenizer, None, layout))
+  p_train_step = compile_train_step(config, family, layout)
+  evaluator = evaluation.Evaluator(config, family, tokenizer, layout)
   state = layout.place_state(state)
 
   def run_eval(step: int) -> dict:

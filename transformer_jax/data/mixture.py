@@ -16,6 +16,7 @@ import ml_collections
 import numpy as np
 
 from transformer_jax import default_config
+from transformer_jax.data import sources
 
 
 def part_config(config: ml_collections.ConfigDict, part: ml_collections.ConfigDict
@@ -24,7 +25,7 @@ def part_config(config: ml_collections.ConfigDict, part: ml_collections.ConfigDi
   sub = default_config.get_config()
   sub.task = part.task
   sub.dataset = part.get("dataset", "local")
-  sub.seed = config.seed
+  sub.data_seed = config.data_seed
   sub.data_dir = os.path.join(config.data_dir, part.get("data_dir", ""))
   for name in ("local", "splits", "tfds"):
     if name in part:
@@ -44,7 +45,7 @@ def _cap(examples: list[dict], limit: int, seed: int) -> list[dict]:
 
 def load_examples(config: ml_collections.ConfigDict,
                   splits: Sequence[str]) -> dict[str, list[dict]]:
-  from transformer_jax.data import sources  # pylint: disable=g-import-not-at-top
+  """{split: [example, ...]} of every part, tagged with the part's name and metric."""
   if not config.mixture:
     raise ValueError("config.task='multitask' needs parts in config.mixture; see "
                      "configs/multitask.py.")
@@ -53,7 +54,7 @@ def load_examples(config: ml_collections.ConfigDict,
     sub = part_config(config, part)
     for split, examples in sources.load_examples(sub, splits).items():
       limit = part.get("max_train_examples" if split == "train" else "max_eval_examples", -1)
-      for example in _cap(examples, limit, config.seed):
+      for example in _cap(examples, limit, config.data_seed):
         target = (sub.label_names[example["label"]] if sub.task == "classification"
                   else example["target"])
         mixed[split].append({"source": part.prefix + example["source"], "target": target,

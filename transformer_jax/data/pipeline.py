@@ -39,35 +39,13 @@ class Encoded:
                    self.lengths, None if self.labels is None else self.labels[list(indices)])
 
 
-def pad_with_eos(rows: Sequence[Sequence[int]], max_len: int) -> tuple[np.ndarray, int]:
-  """Token id rows + EOS, padded with 0 to [n, max_len]; too long rows are cut, keeping EOS.
-
-  Returns the array and how many rows were cut.
-  """
-  array = np.zeros((len(rows), max_len), dtype=np.int32)
-  truncated = 0
-  for row, ids in enumerate(rows):
-    if len(ids) + 1 > max_len:
-      ids = ids[:max_len - 1]
-      truncated += 1
-    array[row, :len(ids)] = ids
-    array[row, len(ids)] = tokenizer_lib.EOS_ID
-  return array, truncated
-
-
-def encode_texts(texts: Sequence[str], tokenizer: tokenizer_lib.Tokenizer,
-                 max_len: int) -> tuple[np.ndarray, int]:
-  """Encoded texts through `pad_with_eos`."""
-  return pad_with_eos([tokenizer.encode(text) for text in texts], max_len)
-
-
 def with_eos(ids: Sequence[int], max_len: int) -> np.ndarray:
   """`ids` + EOS, cut to max_len keeping the EOS."""
   return np.asarray(list(ids)[:max_len - 1] + [tokenizer_lib.EOS_ID], np.int32)
 
 
-def prefix_lm_example(source_ids: Sequence[int], target_ids: Sequence[int],
-                      max_len: int) -> tuple[np.ndarray, np.ndarray]:
+def decoder_only_example(source_ids: Sequence[int], target_ids: Sequence[int],
+                         max_len: int) -> tuple[np.ndarray, np.ndarray]:
   """Decoder-only form of a source -> target pair: `SOURCE <eos> TARGET <eos>`, unpadded.
 
   Returns tokens and loss weights of the same length: 0 on the source part (the model reads

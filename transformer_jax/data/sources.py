@@ -17,6 +17,12 @@ from transformer_jax.data import readers
 SPLITS = ("train", "validation", "test")
 
 
+def check_splits(splits: Sequence[str]) -> None:
+  unknown = set(splits) - set(SPLITS)
+  if unknown:
+    raise ValueError(f"Unknown split(s) {sorted(unknown)}; use {SPLITS}.")
+
+
 def default_cache_dir() -> str:
   return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
                       "transformer_jax")
@@ -37,7 +43,7 @@ def _local(config: ml_collections.ConfigDict, splits: Sequence[str]) -> dict[str
   local, data_dir = config.local, config.data_dir
   if local.format == "label_files":
     every_split = readers.read_label_files(data_dir, local.label_files, local.encoding,
-                                           config.seed)
+                                           config.data_seed)
     return {split: every_split[split] for split in splits}
   readers_by_format = {
       "parallel": lambda f: readers.read_parallel(data_dir, f, local.source_lang,
@@ -55,13 +61,9 @@ def _local(config: ml_collections.ConfigDict, splits: Sequence[str]) -> dict[str
 
 def load_examples(config: ml_collections.ConfigDict,
                   splits: Sequence[str] = SPLITS) -> dict[str, list[dict]]:
-  """{split: [example, ...]} for each of `splits`, from the source `config.dataset` names."""
-  unknown = set(splits) - set(SPLITS)
-  if unknown:
-    raise ValueError(f"Unknown split(s) {sorted(unknown)}; use {SPLITS}.")
-  if config.task == "multitask":
-    from transformer_jax.data import mixture  # pylint: disable=g-import-not-at-top
-    return mixture.load_examples(config, splits)
+  """{split: [example, ...]} for each of `splits`, from the one source `config.dataset`
+  names (a multitask mixture reads each of its parts through here: see examples.py)."""
+  check_splits(splits)
   if config.dataset == "demo":
     return _demo(config, splits)
   if config.dataset == "local":

@@ -1,0 +1,356 @@
+"""The one place that knows each model family: its model, batches, loss targets and outputs.
+
+  encoder_decoder     translation, summarization, multitask: source -> target text
+  decoder_only        the same tasks as one causal sequence `SOURCE <eos> TARGET <eos>`
+                      (causal over the source too, not a prefix LM), loss on the target only (config.architecture = 'decoder_only')
+  encoder_classifier  classification (config.task = 'classification'): source -> one of
+                      config.model.num_classes labels
+
+`families.get(config)` builds the family object; training, evaluation, predict and the
+benchmark ask it (`forward`, `labels_and_weights`, `encode_examples`, `decode`, ...) and never
+look at the model's type. Adding a family means adding a class here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from transformer_jax import decoding
+from transformer_jax import default_config
+from transformer_jax import generate
+from transformer_jax import models
+from transformer_jax import tokenizer as tokenizer_lib
+from transformer_jax.data import pipeline
+
+Array = jax.Array
+NAMES = ("encoder_decoder", "decoder_only", "encoder_classifier")
+
+
+def name(config: ml_collections.ConfigDict) -> str:
+  """The family a config trains: classification uses the encoder classifier, the other tasks
+  `config.architecture`."""
+  if config.task == "classification":
+    return "encoder_classifier"
+  if config.architecture not in NAMES[:2]:
+    raise ValueError(f"Unknown config.architecture={config.architecture!r}; use one of "
+                     f"{NAMES[:2]}.")
+  return config.architecture
+
+
+def get(config: ml_collections.ConfigDict) -> "Family":
+  """The family object of `config`, holding its model."""
+  return _BY_NAME[name(config)](config)
+
+
+def from_model_config(family_name: str, model_config: models.TransformerConfig,
+                      **config_overrides) -> "Family":
+  """A family around a model config, every other setting from default_config (for notebooks
+  and tests that start from a TransformerConfig rather than an experiment config)."""
+  if family_name not in NAMES:
+    raise ValueError(f"Unknown family {family_name!r}; use one of {NAMES}.")
+  config = default_config.get_config()
+  if family_name == "encoder_classifier":
+    config.task = "classification"
+  else:
+    config.architecture = family_name
+  fields = dataclasses.asdict(model_config)
+  fields["dtype"] = jnp.dtype(fields["dtype"]).name
+  config.model.update(fields)
+  config.update(config_overrides)
+  return get(config)
+
+
+class Family:
+  """A sequence-to-sequence family; the classifier overrides what differs."""
+  name = ""
+  packable = True  # training rows may hold several packed examples
+  generates_text = True  # examples have a target text (the classifier: a label)
+  num_model_inputs = 1  # token arrays the model's __call__ takes
+
+  def __init__(self, config: ml_collections.ConfigDict):
+    self.config = config
+    self.model_config = models.model_config(config.model)
+    self.model = self._make_model()
+
+  def _make_model(self):
+    raise NotImplementedError
+
+  # ---- Training ---------------------------------------------------------------------------
+
+  def init_params(self, rng: Array, *, boxed: bool = False) -> dict:
+    """Parameters from one-token dummy inputs (their shapes do not depend on length).
+
+    With `boxed`, every parameter stays wrapped with the logical axis names it was created
+    with (`nn.with_logical_partitioning` in the model), which a jit layout maps to the mesh.
+    """
+    ones = jnp.ones((1, 1), jnp.int32)
+    params = self.model.init(rng, *[ones] * self.num_model_inputs, deterministic=True)["params"]
+    return params if boxed else nn.meta.unbox(params)
+
+  def forward(self, params, batch: dict, *, deterministic: bool, rngs=None) -> Array:
+    """Logits of a batch: [b, len, vocab] (sequence families) or [b, num_classes]."""
+    raise NotImplementedError
+
+  def labels_and_weights(self, batch: dict) -> tuple[Array, Array]:
+    """What the loss compares the logits with, and how much each position counts."""
+    targets = batch["targets"]
+    weights = batch.get("weights")
+    if weights is None:
+      weights = (targets > 0).astype(jnp.float32)
+    return targets, weights
+
+  # ---- Data -------------------------------------------------------------------------------
+
+  def encode_examples(self, examples: Sequence[dict], tokenizer: tokenizer_lib.Tokenizer, *,
+                      drop_overlong: bool = False) -> tuple[pipeline.Encoded, int]:
+    """Token features of `examples`, and how many were longer than max_source_length /
+    max_target_length: truncated, or left out with `drop_overlong` (training with
+    config.overlong='drop')."""
+    max_source, max_target = self.config.max_source_length, self.config.max_target_length
+    features: dict[str, list[np.ndarray]] = {name: [] for name in self.feature_lengths()}
+    labels, overlong = [], 0
+    for example in examples:
+      source = tokenizer.encode(example["source"])
+      target = tokenizer.encode(example["target"]) if self.generates_text else []
+      too_long = len(source) + 1 > max_source or len(target) + 1 > max_target
+      overlong += too_long
+      if too_long and drop_overlong:
+        continue
+      for feature, value in self._features(source, target).items():
+        features[feature].append(value)
+      if not self.generates_text:
+        labels.append(example["label"])
+    return pipeline.Encoded(features, self.feature_lengths(), self._labels(labels)), overlong
+
+  def feature_lengths(self) -> dict[str, int]:
+    """Padded length of each token feature."""
+    raise NotImplementedError
+
+  def _features(self, source: list[int], target: list[int]) -> dict[str, np.ndarray]:
+    raise NotImplementedError
+
+  def _labels(self, labels: list[int]) -> np.ndarray | None:
+    return None
+
+  def prompts(self, encoded: pipeline.Encoded) -> list[np.ndarray]:
+    """What generation starts from, per example: the encoder input (decoder-only: `SOURCE <eos>`)."""
+    return encoded.features["inputs"]
+
+  # ---- Generation -------------------------------------------------------------------------
+
+  def check_nbest(self, decoding_config: ml_collections.ConfigDict, nbest: int) -> None:
+    """Raises ValueError when the decoding settings cannot give `nbest` outputs."""
+    generate.check_nbest(decoding_config, nbest)
+
+  def max_decode_len(self, decoding_config: ml_collections.ConfigDict, source_len: int) -> int:
+    return generate.max_decode_len(decoding_config, self.model_config, source_len)
+
+  def decode(self, params, inputs: Array, rng: Array, *,
+             decoding_config: ml_collections.ConfigDict, nbest: int = 1):
+    """[b, src_len] prompts -> ([b, nbest, len] output ids, [b, nbest] scores), best first."""
+    max_len = self.max_decode_len(decoding_config, inputs.shape[1])
+    rows = inputs.shape[0] * (decoding_config.beam_size if decoding_config.method == "beam"
+                              else nbest)
+    cache, tokens_to_logits, start_id = self.start_decoding(params, inputs, rows, max_len)
+    return generate.search(cache, tokens_to_logits, rng, start_id=start_id,
+                           batch_size=inputs.shape[0], decoding_config=decoding_config,
+                           max_len=max_len, nbest=nbest)
+
+  def start_decoding(self, params, inputs: Array, rows: int, max_len: int):
+    """(cache, tokens_to_logits over `rows` flat rows, first token) for `inputs` [b, len]."""
+    raise NotImplementedError
+
+  def output_text(self, ids: Sequence[int], tokenizer: tokenizer_lib.Tokenizer) -> str:
+    """An output's text: detokenized ids (a classifier: the label name)."""
+    return tokenizer.decode(ids)
+
+
+class EncoderDecoder(Family):
+  """The paper's Transformer: the encoder reads the source, the decoder writes the target."""
+  name = "encoder_decoder"
+  num_model_inputs = 2  # inputs, targets
+
+  def _make_model(self):
+    return models.EncoderDecoder(self.model_config)
+
+  def forward(self, params, batch: dict, *, deterministic: bool, rngs=None) -> Array:
+    return self.model.apply(
+        {"params": params}, batch["inputs"], batch["targets"], batch.get("inputs_position"),
+        batch.get("targets_position"), batch.get("inputs_segmentation"),
+        batch.get("targets_segmentation"), deterministic=deterministic, rngs=rngs or {})
+
+  def feature_lengths(self) -> dict[str, int]:
+    return {"inputs": self.config.max_source_length, "targets": self.config.max_target_length}
+
+  def _features(self, source, target):
+    return {"inputs": pipeline.with_eos(source, self.config.max_source_length),
+            "targets": pipeline.with_eos(target, self.config.max_target_length)}
+
+  def init_cache(self, batch_size: int, source_len: int, cache_len: int):
+    """Zeroed decoder KV cache for `batch_size` rows and `cache_len` positions, shaped
+    without running the model."""
+    init = lambda: self.model.init(
+        jax.random.PRNGKey(0), jnp.ones((batch_size, source_len), jnp.int32),
+        jnp.ones((batch_size, cache_len), jnp.int32), deterministic=True, decode=True)
+    return _zeros(jax.eval_shape(init)["cache"])
+
+  def cached_tokens_to_logits(self, params, encoded: Array, source: Array):
+    """The decoding callback: next-token logits [n, vocab] from the decoder's KV cache."""
+    model = self.model
+
+    def tokens_to_logits(ids, cache):
+      logits, variables = model.apply(
+          {"params": params, "cache": cache}, encoded, source, ids, deterministic=True,
+          decode=True, mutable=["cache"], method=model.decode)
+      return logits[:, -1], variables["cache"]
+
+    return tokens_to_logits
+
+  def start_decoding(self, params, inputs, rows, max_len):
+    model = self.model
+    encoded = model.apply({"params": params}, inputs, deterministic=True, method=model.encode)
+    source, copies = inputs, rows // inputs.shape[0]
+    if copies > 1:  # beams or samples: the callback sees [batch * copies] rows
+      encoded = decoding.flat_batch_beam_expand(encoded, copies)
+      source = decoding.flat_batch_beam_expand(inputs, copies)
+    cache = self.init_cache(inputs.shape[0], inputs.shape[1], max_len)
+    return (cache, self.cached_tokens_to_logits(params, encoded, source),
+            self.model_config.bos_id)
+
+
+class DecoderOnly(Family):
+  """A causal LM over `SOURCE <eos> TARGET <eos>` (causal over the source too: not a prefix
+  LM, whose source would be read bidirectionally), graded on the target only."""
+  name = "decoder_only"
+
+  def _make_model(self):
+    needed = self.config.max_source_length + self.config.max_target_length
+    if self.model_config.max_len < needed:
+      raise ValueError(f"A decoder-only model reads source and target in one sequence: "
+                       f"config.model.max_len={self.model_config.max_len} must be at least "
+                       f"max_source_length + max_target_length = {needed}.")
+    return models.DecoderOnly(self.model_config)
+
+  def forward(self, params, batch: dict, *, deterministic: bool, rngs=None) -> Array:
+    return self.model.apply({"params": params}, batch["targets"], batch.get("targets_position"),
+                            batch.get("targets_segmentation"), deterministic=deterministic,
+                            rngs=rngs or {})
+
+  def feature_lengths(self) -> dict[str, int]:
+    length = self.config.max_source_length + self.config.max_target_length
+    return {"targets": length, "weights": length}
+
+  def _features(self, source, target):
+    # The source is cut to its own budget, so the prompt fits the same length at inference.
+    max_source, max_target = self.config.max_source_length, self.config.max_target_length
+    tokens, weights = pipeline.decoder_only_example(
+        source[:max_source - 1], target[:max_target - 1], max_source + max_target)
+    return {"targets": tokens, "weights": weights}
+
+  def prompts(self, encoded: pipeline.Encoded) -> list[np.ndarray]:
+    """The `SOURCE <eos>` part (loss weight 0) of each example's tokens."""
+    return [tokens[weights == 0] for tokens, weights in
+            zip(encoded.features["targets"], encoded.features["weights"])]
+
+  def max_decode_len(self, decoding_config, source_len):
+    # The prompt and the output share the model's positions.
+    return generate.max_decode_len(decoding_config, self.model_config, source_len,
+                                   prompt_len=source_len)
+
+  def init_cache(self, batch_size: int, cache_len: int):
+    init = lambda: self.model.init(jax.random.PRNGKey(0),
+                                   jnp.ones((batch_size, cache_len), jnp.int32),
+                                   deterministic=True, decode=True)
+    return _zeros(jax.eval_shape(init)["cache"])
+
+  def start_decoding(self, params, inputs, rows, max_len):
+    """Fills the KV cache with the right-padded prompts `SOURCE <eos>` [b, P].
+
+    The cache holds `<bos> SOURCE` (the training input up to the EOS), so decoding starts by
+    feeding EOS, whose logits predict the first target token, exactly as in training. Padding
+    slots are masked out and each row's positions continue from its own prompt length.
+    """
+    model = self.model
+    batch_size, prompt_len = inputs.shape
+    filled = models.shift_right(inputs, self.model_config.bos_id)  # [b, P]: <bos> SOURCE, 0...
+    cache_mask = jnp.concatenate([filled != 0, jnp.ones((batch_size, max_len), bool)], axis=1)
+    cache_mask = cache_mask[:, None, None, :]  # [b, 1, 1, P + max_len]
+    offset = prompt_len - jnp.sum(filled != 0, axis=1)  # [b]: padding slots before decoding
+    cache = self.init_cache(batch_size, prompt_len + max_len)
+    _, variables = model.apply({"params": params, "cache": cache}, filled, deterministic=True,
+                               decode=True, cache_mask=cache_mask, mutable=["cache"])
+    if rows != batch_size:  # the callback sees [batch * copies] rows
+      cache_mask = decoding.flat_batch_beam_expand(cache_mask, rows // batch_size)
+      offset = decoding.flat_batch_beam_expand(offset, rows // batch_size)
+
+    def tokens_to_logits(ids, cache):
+      logits, new = model.apply({"params": params, "cache": cache}, ids, deterministic=True,
+                                decode=True, cache_mask=cache_mask, decode_offset=offset,
+                                mutable=["cache"])
+      return logits[:, -1], new["cache"]
+
+    return variables["cache"], tokens_to_logits, tokenizer_lib.EOS_ID
+
+
+class EncoderClassifier(Family):
+  """Encoder, pooling and a dense head: source -> one of config.model.num_classes labels."""
+  name = "encoder_classifier"
+  packable = False  # one label per row
+  generates_text = False
+
+  def _make_model(self):
+    return models.EncoderClassifier(self.model_config)
+
+  def forward(self, params, batch: dict, *, deterministic: bool, rngs=None) -> Array:
+    return self.model.apply({"params": params}, batch["inputs"], deterministic=deterministic,
+                            rngs=rngs or {})
+
+  def labels_and_weights(self, batch: dict) -> tuple[Array, Array]:
+    # One label per row; all-padding rows (filling the last batch) weigh 0.
+    return batch["labels"], jnp.any(batch["inputs"] != 0, axis=-1).astype(jnp.float32)
+
+  def feature_lengths(self) -> dict[str, int]:
+    return {"inputs": self.config.max_source_length}
+
+  def _features(self, source, target):
+    return {"inputs": pipeline.with_eos(source, self.config.max_source_length)}
+
+  def _labels(self, labels: list[int]) -> np.ndarray:
+    array = np.asarray(labels, np.int32)
+    num_classes = self.model_config.num_classes
+    if len(array) and (array.min() < 0 or array.max() >= num_classes):
+      raise ValueError(f"Labels range over [{array.min()}, {array.max()}] but "
+                       f"config.model.num_classes={num_classes}; raise it.")
+    return array
+
+  def check_nbest(self, decoding_config, nbest):
+    if nbest < 1:
+      raise ValueError(f"nbest={nbest}: ask for at least 1 output.")
+    if nbest > self.model_config.num_classes:
+      raise ValueError(f"nbest={nbest}: the classifier has only "
+                       f"{self.model_config.num_classes} classes.")
+
+  def decode(self, params, inputs, rng, *, decoding_config, nbest=1):
+    """([b, nbest, 1] class ids, [b, nbest] log-probabilities), most likely first."""
+    del rng, decoding_config
+    logits = self.model.apply({"params": params}, inputs, deterministic=True)
+    scores, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32)), nbest)
+    return ids[:, :, None], scores
+
+  def output_text(self, ids, tokenizer):
+    names, label = self.config.label_names, int(ids[0])
+    return names[label] if label < len(names) else str(label)
+
+
+def _zeros(abstract_tree):
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract_tree)
+
+
+_BY_NAME = {f.name: f for f in (EncoderDecoder, DecoderOnly, EncoderClassifier)}

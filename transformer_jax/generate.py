@@ -1,0 +1,178 @@
+"""Generation over a model family: compiled decode functions, length buckets, batching.
+
+A family (families.py) knows how to start decoding its model; this module runs the search the
+config names (decoding.py), compiles it once per source length under the device layout, and
+turns lists of token sequences into outputs in order. Evaluation and predict both use
+`Generator`.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from transformer_jax import decoding
+from transformer_jax import parallel
+from transformer_jax import tokenizer as tokenizer_lib
+
+Array = jax.Array
+
+
+def max_decode_len(decoding_config: ml_collections.ConfigDict, model_config, source_len: int,
+                   prompt_len: int = 0) -> int:
+  """Longest output: `decoding.max_decode_len`, or (when 0) source length + 50; never past
+  the model's position range (which a decoder-only model's prompt of `prompt_len` shares)."""
+  length = decoding_config.max_decode_len or source_len + 50
+  room = model_config.max_len - prompt_len
+  if decoding_config.max_decode_len > room:
+    raise ValueError(f"config.decoding.max_decode_len={length} does not fit config.model."
+                     f"max_len={model_config.max_len} (after a {prompt_len}-token prompt); "
+                     "lower it or raise max_len.")
+  return min(length, room)
+
+
+def check_nbest(decoding_config: ml_collections.ConfigDict, nbest: int) -> None:
+  """Raises ValueError when the decoding method cannot give `nbest` outputs."""
+  d = decoding_config
+  if nbest < 1:
+    raise ValueError(f"nbest={nbest}: ask for at least 1 output.")
+  if d.method == "beam" and nbest > d.beam_size:
+    raise ValueError(f"nbest={nbest} needs decoding.beam_size >= {nbest} (it is "
+                     f"{d.beam_size}).")
+  if d.method == "greedy" and nbest > 1:
+    raise ValueError(f"nbest={nbest}: greedy search gives one output; use decoding.method "
+                     "'beam' (beam_size >= nbest) or 'sample'.")
+
+
+def search(cache: Any, tokens_to_logits: decoding.TokensToLogits, rng: Array, *,
+           start_id: int, batch_size: int, decoding_config: ml_collections.ConfigDict,
+           max_len: int, nbest: int = 1) -> tuple[Array, Array]:
+  """Runs the configured search: ([b, nbest, max_len] output ids, [b, nbest] scores), best
+  first. Scores are what the search ranks by: the length-penalised log-probability for beam
+  search, the log-probability for greedy and sampled outputs.
+
+  `tokens_to_logits` sees [b * beam_size] rows for beam search, [b * nbest] otherwise; `cache`
+  is per example (beam search and nbest > 1 expand it here).
+  """
+  d = decoding_config
+  common = dict(eos_id=tokenizer_lib.EOS_ID, max_decode_len=max_len, bos_id=start_id)
+  if d.method == "beam":
+    dummy_inputs = jnp.zeros((batch_size, 1), jnp.int32)  # beam_search reads only its shape
+    sequences, scores = decoding.beam_search(dummy_inputs, cache, tokens_to_logits,
+                                             beam_size=d.beam_size, alpha=d.alpha, **common)
+    return sequences[:, :nbest], scores[:, :nbest]
+  rows = batch_size * nbest
+  if nbest > 1:  # independent samples of each input, ranked by log-probability
+    cache = decoding.expand_cache(cache, nbest)
+  if d.method == "greedy":
+    tokens, scores = decoding.greedy_search(cache, tokens_to_logits, batch_size=rows,
+                                            return_logprobs=True, **common)
+  else:
+    tokens, scores = decoding.sample(cache, tokens_to_logits, rng, batch_size=rows,
+                                     temperature=d.temperature, top_k=d.top_k, top_p=d.top_p,
+                                     return_logprobs=True, **common)
+  tokens, scores = tokens.reshape(batch_size, nbest, -1), scores.reshape(batch_size, nbest)
+  order = jnp.argsort(-scores, axis=1)
+  return (jnp.take_along_axis(tokens, order[:, :, None], axis=1),
+          jnp.take_along_axis(scores, order, axis=1))
+
+
+def decode_fn(family, decoding_config: ml_collections.ConfigDict, layout=None, nbest: int = 1):
+  """(placed params, placed inputs, rng) -> (output ids [.., nbest, len] ([.., nbest, 1]
+  class ids for a classifier), scores [.., nbest]), compiled by `layout` (default pmap) once
+  per source length. Every device draws its own random numbers from `rng`."""
+  layout = layout or parallel.DataParallel()
+  compiled: dict[int, Any] = {}  # by source length
+
+  def per_device(params, inputs, rng):
+    if layout.axis_name is not None:  # pmap: one program per device, the same rng
+      rng = jax.random.fold_in(rng, jax.lax.axis_index(layout.axis_name))
+    return family.decode(params, inputs, rng, decoding_config=decoding_config, nbest=nbest)
+
+  def run(device_params, device_inputs, rng):
+    source_len = device_inputs.shape[-1]
+    if source_len not in compiled:
+      compiled[source_len] = layout.compile_decode(per_device)
+    return compiled[source_len](device_params, device_inputs, rng)
+
+  return run
+
+
+def bucket_length(num_tokens: int, max_len: int) -> int:
+  """Padded source length: the next power of two >= 8, at most max_len (few compilations)."""
+  length = 8
+  while length < num_tokens:
+    length *= 2
+  return min(length, max_len)
+
+
+def generate_ids(p_decode, device_params, prompts: Sequence[np.ndarray], max_len: int,
+                 batch_size: int, seed: int = 0, layout=None
+                 ) -> list[tuple[np.ndarray, np.ndarray]]:
+  """(output ids [nbest, len], scores [nbest]) for token sequences of any length (EOS
+  included), in order. Grouped into length buckets so short ones are not padded to the
+  longest; batch k of the whole call samples with key fold_in(seed, k), so no two batches
+  share random numbers."""
+  layout = layout or parallel.DataParallel()
+  buckets: dict[int, list[int]] = {}
+  for i, ids in enumerate(prompts):
+    buckets.setdefault(bucket_length(len(ids), max_len), []).append(i)
+  outputs: list = [None] * len(prompts)
+  batch_index = 0
+  for length, indices in sorted(buckets.items()):
+    for start in range(0, len(indices), batch_size):
+      chosen = indices[start:start + batch_size]
+      sources = np.zeros((batch_size, length), np.int32)  # fixed shape: one compile per length
+      for row, i in enumerate(chosen):
+        sources[row, :len(prompts[i])] = prompts[i]
+      rng = jax.random.fold_in(jax.random.PRNGKey(seed), batch_index)
+      batch_index += 1
+      tokens, scores = layout.host_rows(p_decode(device_params, layout.eval_batch(sources), rng))
+      for row, i in enumerate(chosen):
+        outputs[i] = (tokens[row], scores[row])
+  return outputs
+
+
+class Generator:
+  """A family's compiled generation on a layout; parameters are passed per call (placed by
+  the layout), so it never holds buffers that a donated training step may reuse.
+
+  The compiled functions are kept per decoding setting (the most recent `MAX_DECODERS`), so a
+  new setting never reuses a stale one.
+  """
+  MAX_DECODERS = 8
+
+  def __init__(self, family, layout=None):
+    self.family = family
+    self.config = family.config
+    self.layout = layout or parallel.make_layout(family.config)
+    self.batch_size = self.config.per_device_batch_size * self.layout.eval_devices
+    self._decoders: collections.OrderedDict = collections.OrderedDict()
+
+  def _decoder(self, decoding_config: ml_collections.ConfigDict, nbest: int):
+    key = (json.dumps(decoding_config.to_dict(), sort_keys=True), nbest)
+    if key not in self._decoders:
+      self._decoders[key] = decode_fn(self.family, decoding_config, self.layout, nbest)
+      if len(self._decoders) > self.MAX_DECODERS:
+        self._decoders.popitem(last=False)
+    self._decoders.move_to_end(key)
+    return self._decoders[key]
+
+  def output_ids(self, device_params, prompts: Sequence[np.ndarray], nbest: int = 1,
+                 decoding_config: ml_collections.ConfigDict | None = None,
+                 with_scores: bool = False) -> list:
+    """Generated ids (or [class id]) for encoded prompts, EOS included, in order: the best
+    array per prompt, or with `with_scores` a list of `nbest` (ids, score) pairs, best first."""
+    decoding_config = decoding_config or self.config.decoding
+    results = generate_ids(self._decoder(decoding_config, nbest), device_params, prompts,
+                           self.config.max_source_length, self.batch_size, decoding_config.seed,
+                           self.layout)
+    if with_scores:
+      return [list(zip(tokens, scores.tolist())) for tokens, scores in results]
+    return [tokens[0] for tokens, _ in results]
