@@ -176,3 +176,20 @@ def test_config_flag_errors_are_one_line(tmp_path, config_arg, message):
   assert result.returncode == 2
   assert message in cli.user_error(result.stderr)
   assert not (tmp_path / "never").exists()
+
+
+def test_predictor_keeps_its_own_copy_of_the_parameters(workdir):
+  """A Predictor never shares buffers with the arrays it was given (a donated training step
+  may overwrite those): deleting them leaves it working."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from transformer_jax import checkpoints, families, parallel, workdir as workdir_lib
+  config = workdir_lib.load_config(workdir)
+  expected = predict.Predictor.from_workdir(workdir).predict(["The dog sees the cat."])
+  for layout in (parallel.DataParallel(), parallel.MeshParallel()):
+    params, step = checkpoints.restore_params(workdir, families.get(config).init_params)
+    params = jax.device_put(params, jax.devices()[0])
+    predictor = predict.Predictor(config, predict.tokenizer_lib.Tokenizer.load(
+        workdir_lib.tokenizer_path(workdir)), params, step, layout)
+    for leaf in jax.tree.leaves(params):
+      leaf.delete()
+    assert predictor.predict(["The dog sees the cat."]) == expected

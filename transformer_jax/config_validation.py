@@ -13,6 +13,8 @@ from typing import Any
 
 import ml_collections
 
+from transformer_jax import families
+
 CHOICES = {
     "task": ("translation", "summarization", "classification", "multitask"),
     "architecture": ("encoder_decoder", "decoder_only"),
@@ -135,20 +137,15 @@ def _cross_key_problems(config: ml_collections.ConfigDict,
   if config.task == "classification" and len(config.label_names) != m.num_classes:
     found.append(f"config.label_names has {len(config.label_names)} names but "
                  f"config.model.num_classes={m.num_classes}")
-  if config.task != "classification":
-    longest = (config.max_source_length + config.max_target_length
-               if config.architecture == "decoder_only" else
-               max(config.max_source_length, config.max_target_length))
-    if longest > m.max_len:
-      found.append(f"config.model.max_len={m.max_len} is shorter than the longest sequence "
-                   f"the model sees ({longest} tokens from max_source_length / "
-                   "max_target_length); raise max_len or lower those")
-    if config.decoding.max_decode_len > m.max_len:
-      found.append(f"config.decoding.max_decode_len={config.decoding.max_decode_len} is longer "
-                   f"than config.model.max_len={m.max_len}")
-  elif config.max_source_length > m.max_len:
-    found.append(f"config.max_source_length={config.max_source_length} is longer than "
-                 f"config.model.max_len={m.max_len}")
+  longest = families.longest_sequence(config)
+  if longest > m.max_len:
+    found.append(f"config.model.max_len={m.max_len} is shorter than the longest sequence "
+                 f"the model sees ({longest} tokens from max_source_length / "
+                 "max_target_length); raise max_len or lower those")
+  if families.generates_text(config) and config.decoding.max_decode_len > m.max_len:
+    found.append(f"config.decoding.max_decode_len={config.decoding.max_decode_len} is longer "
+                 f"than config.model.max_len={m.max_len}")
+  found += _rule_problems(config.parallel.logical_axis_rules)
   if config.parallel.mode == "jit" and device_count is not None:
     sizes = [config.parallel.data, config.parallel.fsdp, config.parallel.tensor]
     fixed = [s for s in sizes if s != -1]
@@ -160,6 +157,19 @@ def _cross_key_problems(config: ml_collections.ConfigDict,
       found.append(f"config.parallel data x fsdp x tensor = {sizes} does not fit {device_count} "
                    "devices (their product must be the device count; one may be -1 = the rest)")
   return found
+
+
+def _rule_problems(rules) -> list[str]:
+  """config.parallel.logical_axis_rules must be [logical name, mesh axes] pairs."""
+  mesh_axes = ("data", "fsdp", "tensor")
+  for rule in rules:
+    axes = rule[1] if isinstance(rule, (list, tuple)) and len(rule) == 2 else ()
+    names = axes if isinstance(axes, (list, tuple)) else [axes]
+    if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str)
+            and all(n is None or n in mesh_axes for n in names)):
+      return [f"config.parallel.logical_axis_rules: {rule!r} is not a [logical name, mesh "
+              f"axes] pair (mesh axes: None, one of {mesh_axes}, or a list of them)"]
+  return []
 
 
 def validate(config: ml_collections.ConfigDict, device_count: int | None = None) -> None:

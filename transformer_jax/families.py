@@ -49,6 +49,16 @@ def get(config: ml_collections.ConfigDict) -> "Family":
   return _BY_NAME[name(config)](config)
 
 
+def longest_sequence(config: ml_collections.ConfigDict) -> int:
+  """Tokens in the longest sequence the config's model reads (its max_len must cover it)."""
+  return _BY_NAME[name(config)].longest_sequence(config)
+
+
+def generates_text(config: ml_collections.ConfigDict) -> bool:
+  """Whether the config's model generates text (and config.decoding applies)."""
+  return _BY_NAME[name(config)].generates_text
+
+
 def from_model_config(family_name: str, model_config: models.TransformerConfig,
                       **config_overrides) -> "Family":
   """A family around a model config, every other setting from default_config (for notebooks
@@ -81,6 +91,10 @@ class Family:
 
   def _make_model(self):
     raise NotImplementedError
+
+  @staticmethod
+  def longest_sequence(config: ml_collections.ConfigDict) -> int:
+    return max(config.max_source_length, config.max_target_length)
 
   # ---- Training ---------------------------------------------------------------------------
 
@@ -230,12 +244,11 @@ class DecoderOnly(Family):
   LM, whose source would be read bidirectionally), graded on the target only."""
   name = "decoder_only"
 
+  @staticmethod
+  def longest_sequence(config):
+    return config.max_source_length + config.max_target_length  # one sequence
+
   def _make_model(self):
-    needed = self.config.max_source_length + self.config.max_target_length
-    if self.model_config.max_len < needed:
-      raise ValueError(f"A decoder-only model reads source and target in one sequence: "
-                       f"config.model.max_len={self.model_config.max_len} must be at least "
-                       f"max_source_length + max_target_length = {needed}.")
     return models.DecoderOnly(self.model_config)
 
   def forward(self, params, batch: dict, *, deterministic: bool, rngs=None) -> Array:
@@ -304,6 +317,10 @@ class EncoderClassifier(Family):
   name = "encoder_classifier"
   packable = False  # one label per row
   generates_text = False
+
+  @staticmethod
+  def longest_sequence(config):
+    return config.max_source_length
 
   def _make_model(self):
     return models.EncoderClassifier(self.model_config)

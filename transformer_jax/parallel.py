@@ -80,7 +80,10 @@ class DataParallel:
     return jax.tree.map(lambda x: jax.device_put(
         np.broadcast_to(np.asarray(x), (count,) + np.shape(x)), self._replicated), tree)
 
-  place_params = place_state
+  def place_params(self, params: Any, boxed_abstract: Any = None) -> Any:
+    """Parameters for decoding, replicated on every local device (a copy)."""
+    del boxed_abstract  # every device holds all of them
+    return self.place_state(params)
 
   def abstract_params(self, boxed_abstract: Any) -> Any:
     return nn.meta.unbox(boxed_abstract)  # restored on the default device, then replicated
@@ -160,9 +163,10 @@ class MeshParallel:
     """Leaves each array where it is (created or restored into its sharding already)."""
     return tree
 
-  def place_params(self, params: Any) -> Any:
-    """A copy of restored parameters in their shardings, sharing no buffers with them."""
-    return jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), params)
+  def place_params(self, params: Any, boxed_abstract: Any) -> Any:
+    """A copy of `params` in the shardings their logical axes give (`boxed_abstract`: the
+    parameters' shapes, boxed with those axes), sharing no buffers with them."""
+    return jax.device_put(params, self.shardings(boxed_abstract), may_alias=False)
 
   def abstract_params(self, boxed_abstract: Any) -> Any:
     """Restore targets that carry their shardings: each device reads only its part."""

@@ -12,6 +12,7 @@ import difflib
 import functools
 from typing import Iterable, Iterator, Sequence
 
+import jax
 import ml_collections
 import numpy as np
 from absl import logging
@@ -44,7 +45,9 @@ class Predictor:
     # parameters are copied onto its devices: the Predictor never shares buffers with a
     # training state that a donated step may overwrite.
     self.generator = generate.Generator(self.family, layout or parallel.make_layout(config))
-    self.device_params = self.generator.layout.place_params(params)
+    boxed = jax.eval_shape(functools.partial(self.family.init_params, boxed=True),
+                           jax.random.PRNGKey(0))
+    self.device_params = self.generator.layout.place_params(params, boxed)
 
   @classmethod
   def from_workdir(cls, workdir: str, step: int | None = None, average_last: int = 1,

@@ -246,6 +246,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   is_chief = jax.process_index() == 0
   writer = summary_writer.create_writer(workdir, is_chief)
   layout = parallel.make_layout(config)
+  family = families.get(config)
   # Each optimizer step sees grad_accum_steps micro-batches of per_device_batch_size per device.
   global_batch_size = (config.per_device_batch_size * jax.device_count() *
                        config.grad_accum_steps)
@@ -265,7 +266,6 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
                global_batch_size, jax.device_count())
 
   # ---- Model and optimizer --------------------------------------------------------------
-  family = families.get(config)
   if tokenizer.vocab_size > family.model_config.vocab_size:
     raise ValueError(f"The tokenizer has {tokenizer.vocab_size} pieces but config.model."
                      f"vocab_size={family.model_config.vocab_size}; raise config.model."
