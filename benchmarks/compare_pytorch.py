@@ -84,10 +84,9 @@ def jax_step(batch_size, seq_len):
   """A blocking training step of this project's EncoderDecoder, as `main` trains it."""
   import jax
   from transformer_jax import benchmark
-  from transformer_jax import models
+  from transformer_jax import families
   config = comparison_config(max(64, seq_len))
-  model = models.EncoderDecoder(models.model_config(config.model))
-  step = benchmark.train_step_runner(config, model, batch_size, seq_len)
+  step = benchmark.train_step_runner(config, families.get(config), batch_size, seq_len)
   return step, {"jax_version": jax.__version__, "device": jax.devices()[0].device_kind}
 
 

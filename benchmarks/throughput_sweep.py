@@ -23,15 +23,15 @@ def sweep(batch_sizes, seq_lens, steps):
   from benchmarks.compare_pytorch import comparison_config
   from transformer_jax import benchmark
   from transformer_jax import flops
-  from transformer_jax import models
+  from transformer_jax import families
   config = comparison_config(max_len=max(seq_lens))
-  model_config = models.model_config(config.model)
-  model = models.EncoderDecoder(model_config)
+  family = families.get(config)
+  model_config = family.model_config
   peak, peak_source = flops.peak_tflops(model_config.dtype, jax.devices()[0])
   rows = []
   for seq_len in seq_lens:
     for batch_size in batch_sizes:
-      speed = benchmark.train_speed(config, model, batch_size, seq_len, steps, warmup=1)
+      speed = benchmark.train_speed(config, family, batch_size, seq_len, steps, warmup=1)
       step_flops = flops.train_step_flops(model_config, batch_size, seq_len, seq_len)
       rows.append(dict(batch_size=batch_size, seq_len=seq_len, **speed,
                        mfu=step_flops / speed["train_step_s"] / (peak * 1e12 *

@@ -1,5 +1,6 @@
 """Numerical parity with PyTorch's reference modules on identical weights (float32)."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,7 +93,7 @@ def _close(ours, theirs, valid):
 def test_multi_head_attention_matches_torch():
   src, tgt, src_valid, _ = _data()
   mha = attention.MultiHeadAttention(HEADS, E)
-  params = mha.init(jax.random.PRNGKey(0), tgt, src)["params"]
+  params = nn.meta.unbox(mha.init(jax.random.PRNGKey(0), tgt, src)["params"])
   mask = jnp.asarray(src_valid)[:, None, None, :]
   ours = mha.apply({"params": params}, tgt, src, mask)
   torch_mha = torch.nn.MultiheadAttention(E, HEADS, batch_first=True)
@@ -108,7 +109,7 @@ def test_encoder_layer_matches_torch(pre_ln, activation):
   config = _config(pre_ln, activation)
   layer = models.EncoderLayer(config)
   encoder_mask, _, _ = _masks(src_valid, tgt_valid)
-  params = layer.init(jax.random.PRNGKey(1), src, encoder_mask, True)["params"]
+  params = nn.meta.unbox(layer.init(jax.random.PRNGKey(1), src, encoder_mask, True)["params"])
   ours = layer.apply({"params": params}, src, encoder_mask, True)
   torch_layer = torch.nn.TransformerEncoderLayer(E, HEADS, FF, dropout=0.0, batch_first=True,
                                                  norm_first=pre_ln, activation=activation)
@@ -124,8 +125,8 @@ def test_decoder_layer_matches_torch(pre_ln):
   config = _config(pre_ln)
   layer = models.DecoderLayer(config)
   _, self_mask, cross_mask = _masks(src_valid, tgt_valid)
-  params = layer.init(jax.random.PRNGKey(2), tgt, src, self_mask, cross_mask, True,
-                      False)["params"]
+  params = nn.meta.unbox(layer.init(jax.random.PRNGKey(2), tgt, src, self_mask, cross_mask,
+                                    True, False)["params"])
   ours = layer.apply({"params": params}, tgt, src, self_mask, cross_mask, True, False)
   torch_layer = torch.nn.TransformerDecoderLayer(E, HEADS, FF, dropout=0.0, batch_first=True,
                                                  norm_first=pre_ln)
@@ -148,7 +149,8 @@ def test_whole_transformer_matches_torch(pre_ln):
   model = models.EncoderDecoder(config)
   inputs = jnp.array([[5, 9, 12, 7, 3, 1, 1], [7, 8, 1, 0, 0, 0, 0]])
   targets = jnp.array([[11, 4, 13, 21, 1, 6], [6, 17, 1, 0, 0, 0]])
-  params = model.init(jax.random.PRNGKey(3), inputs, targets, deterministic=True)["params"]
+  params = nn.meta.unbox(model.init(jax.random.PRNGKey(3), inputs, targets,
+                                    deterministic=True)["params"])
   ours = model.apply({"params": params}, inputs, targets, deterministic=True)
 
   torch_model = torch.nn.Transformer(E, HEADS, 2, 2, FF, dropout=0.0, batch_first=True,

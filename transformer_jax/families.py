@@ -2,7 +2,8 @@
 
   encoder_decoder     translation, summarization, multitask: source -> target text
   decoder_only        the same tasks as one causal sequence `SOURCE <eos> TARGET <eos>`
-                      (causal over the source too, not a prefix LM), loss on the target only (config.architecture = 'decoder_only')
+                      (causal over the source too, not a prefix LM), loss on the target
+                      only (config.architecture = 'decoder_only')
   encoder_classifier  classification (config.task = 'classification'): source -> one of
                       config.model.num_classes labels
 
@@ -154,7 +155,8 @@ class Family:
     return None
 
   def prompts(self, encoded: pipeline.Encoded) -> list[np.ndarray]:
-    """What generation starts from, per example: the encoder input (decoder-only: `SOURCE <eos>`)."""
+    """What generation starts from, per example: the encoder input (decoder-only: the
+    `SOURCE <eos>` part)."""
     return encoded.features["inputs"]
 
   # ---- Generation -------------------------------------------------------------------------

@@ -147,8 +147,9 @@ class FeedForward(nn.Module):
   def __call__(self, x: Array, *, deterministic: bool = True) -> Array:
     # Logical axis names of the parameters, mapped to mesh axes by the jit layout's rules.
     dense = lambda features, axes, name: nn.Dense(
-        features, dtype=self.dtype, kernel_init=nn.with_logical_partitioning(self.kernel_init, axes),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]), name=name)
+        features, dtype=self.dtype, name=name,
+        kernel_init=nn.with_logical_partitioning(self.kernel_init, axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]))
     if self.activation not in _ACTIVATIONS:
       raise ValueError(f"Unknown feed-forward activation {self.activation!r}: use 'relu', "
                        "'gelu', 'geglu' or 'reglu'.")

@@ -358,9 +358,10 @@ class EncoderDecoder(nn.Module):
 class DecoderOnly(nn.Module):
   """Causal language model. Training: logits[t] predicts tokens[t] (shifted right here).
 
-  Conditioned on a source (decoder-only summarization) the tokens are `SOURCE <eos> TARGET <eos>` and
-  the loss weights are 0 on the source part. Decoding (`decode=True`): `tokens` are fed as
-  they are, several at once to fill a prompt, then one per call, with the KV cache.
+  Conditioned on a source (decoder-only summarization) the tokens are
+  `SOURCE <eos> TARGET <eos>` and the loss weights are 0 on the source part. Decoding
+  (`decode=True`): `tokens` are fed as they are, several at once to fill a prompt, then one
+  per call, with the KV cache.
   """
   config: TransformerConfig
 
