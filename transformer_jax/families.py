@@ -14,6 +14,7 @@ look at the model's type. Adding a family means adding a class here.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Sequence
 
@@ -78,7 +79,7 @@ def from_model_config(family_name: str, model_config: models.TransformerConfig,
   return get(config)
 
 
-class Family:
+class Family(abc.ABC):
   """A sequence-to-sequence family; the classifier overrides what differs."""
   name = ""
   packable = True  # training rows may hold several packed examples
@@ -90,8 +91,9 @@ class Family:
     self.model_config = models.model_config(config.model)
     self.model = self._make_model()
 
+  @abc.abstractmethod
   def _make_model(self):
-    raise NotImplementedError
+    """The family's Flax model for self.model_config."""
 
   @staticmethod
   def longest_sequence(config: ml_collections.ConfigDict) -> int:
@@ -109,9 +111,9 @@ class Family:
     params = self.model.init(rng, *[ones] * self.num_model_inputs, deterministic=True)["params"]
     return params if boxed else nn.meta.unbox(params)
 
+  @abc.abstractmethod
   def forward(self, params, batch: dict, *, deterministic: bool, rngs=None) -> Array:
     """Logits of a batch: [b, len, vocab] (sequence families) or [b, num_classes]."""
-    raise NotImplementedError
 
   def labels_and_weights(self, batch: dict) -> tuple[Array, Array]:
     """What the loss compares the logits with, and how much each position counts."""
@@ -144,12 +146,13 @@ class Family:
         labels.append(example["label"])
     return pipeline.Encoded(features, self.feature_lengths(), self._labels(labels)), overlong
 
+  @abc.abstractmethod
   def feature_lengths(self) -> dict[str, int]:
     """Padded length of each token feature."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def _features(self, source: list[int], target: list[int]) -> dict[str, np.ndarray]:
-    raise NotImplementedError
+    """One example's token features from its source (and target) token ids."""
 
   def _labels(self, labels: list[int]) -> np.ndarray | None:
     return None
@@ -168,9 +171,20 @@ class Family:
   def max_decode_len(self, decoding_config: ml_collections.ConfigDict, source_len: int) -> int:
     return generate.max_decode_len(decoding_config, self.model_config, source_len)
 
+  @abc.abstractmethod
   def decode(self, params, inputs: Array, rng: Array, *,
              decoding_config: ml_collections.ConfigDict, nbest: int = 1):
     """[b, src_len] prompts -> ([b, nbest, len] output ids, [b, nbest] scores), best first."""
+
+  def output_text(self, ids: Sequence[int], tokenizer: tokenizer_lib.Tokenizer) -> str:
+    """An output's text: detokenized ids (a classifier: the label name)."""
+    return tokenizer.decode(ids)
+
+
+class _SequenceFamily(Family):
+  """A family that generates text token by token from a KV cache."""
+
+  def decode(self, params, inputs, rng, *, decoding_config, nbest=1):
     max_len = self.max_decode_len(decoding_config, inputs.shape[1])
     rows = inputs.shape[0] * (decoding_config.beam_size if decoding_config.method == "beam"
                               else nbest)
@@ -179,16 +193,12 @@ class Family:
                            batch_size=inputs.shape[0], decoding_config=decoding_config,
                            max_len=max_len, nbest=nbest)
 
+  @abc.abstractmethod
   def start_decoding(self, params, inputs: Array, rows: int, max_len: int):
     """(cache, tokens_to_logits over `rows` flat rows, first token) for `inputs` [b, len]."""
-    raise NotImplementedError
-
-  def output_text(self, ids: Sequence[int], tokenizer: tokenizer_lib.Tokenizer) -> str:
-    """An output's text: detokenized ids (a classifier: the label name)."""
-    return tokenizer.decode(ids)
 
 
-class EncoderDecoder(Family):
+class EncoderDecoder(_SequenceFamily):
   """The paper's Transformer: the encoder reads the source, the decoder writes the target."""
   name = "encoder_decoder"
   num_model_inputs = 2  # inputs, targets
@@ -241,7 +251,7 @@ class EncoderDecoder(Family):
             self.model_config.bos_id)
 
 
-class DecoderOnly(Family):
+class DecoderOnly(_SequenceFamily):
   """A causal LM over `SOURCE <eos> TARGET <eos>` (causal over the source too: not a prefix
   LM, whose source would be read bidirectionally), graded on the target only."""
   name = "decoder_only"
