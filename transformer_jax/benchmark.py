@@ -64,6 +64,7 @@ def _timed(fn, steps: int, warmup: int) -> float:
 def train_step_runner(config, model, batch_size: int, seq_len: int) -> Callable[[], None]:
   """A call that runs one training step (config.parallel's layout) on fixed random tokens and
   blocks until it is done; the state it updates lives in the closure."""
+  train.use_prng_impl(config)
   layout = parallel.make_layout(config)
   rng = np.random.default_rng(0)
   batch = layout.train_batch({k: rng.integers(3, config.model.vocab_size, (batch_size, seq_len),

@@ -25,6 +25,7 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.position_embedding": ("sinusoidal", "learned"),
     "model.attention_implementation": ("reference", "xla", "cudnn", "auto"),
+    "prng_impl": ("threefry2x32", "rbg", "unsafe_rbg"),
     "model.remat_policy": ("full", "dots", "dots_no_batch"),
     "model.pooling": ("mean", "first", "attention"),
 }

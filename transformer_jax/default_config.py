@@ -104,6 +104,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.grad_clip_norm = 0.0
   # Seed for initialisation, data order and dropout.
   config.seed = 0
+  # JAX's random-number generator for initialisation and dropout: 'threefry2x32' (JAX's
+  # default: the same numbers on every backend and sharding), or 'rbg' / 'unsafe_rbg' (the
+  # hardware's bit generator, as MaxText uses: much cheaper dropout masks on GPU and TPU, but
+  # other numbers per backend; see benchmarks/RESULTS.md).
+  config.prng_impl = "threefry2x32"
 
   # ---- Devices ----------------------------------------------------------------------------
   # How the devices share the work (see transformer_jax/parallel.py). mode 'pmap': data
