@@ -122,6 +122,7 @@ BAD_CONFIGS = [
     ("decoding.method", "beams", "did you mean 'beam'"),
     ("model.dtype", "fp16", "not one of"),
     ("model.attention_implementation", "flash", "not one of"),
+    ("prng_impl", "philox", "not one of"),
     ("model.pooling", "max", "not one of"),
     ("per_device_batch_size", 0, "must be >= 1"),
     ("log_every_steps", 0, "must be >= 1"),
