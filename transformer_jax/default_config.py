@@ -105,9 +105,9 @@ def get_config() -> ml_collections.ConfigDict:
   # Seed for initialisation, data order and dropout.
   config.seed = 0
   # JAX's random-number generator for initialisation and dropout: 'threefry2x32' (JAX's
-  # default: the same numbers on every backend and sharding), or 'rbg' / 'unsafe_rbg' (the
-  # hardware's bit generator, as MaxText uses: much cheaper dropout masks on GPU and TPU, but
-  # other numbers per backend; see benchmarks/RESULTS.md).
+  # default: the same numbers on every backend and sharding), or 'rbg' / 'unsafe_rbg' (XLA's
+  # bit generator, which MaxText uses on GPU and TPU for cheaper dropout masks; other numbers
+  # per backend; no faster on CPU). Measurements: benchmarks/RESULTS.md.
   config.prng_impl = "threefry2x32"
 
   # ---- Devices ----------------------------------------------------------------------------
