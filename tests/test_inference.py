@@ -163,6 +163,15 @@ def test_cudnn_attention_in_float32_is_refused(tiny_config):
     config_validation.validate(tiny_config)
 
 
+def test_cudnn_attention_with_an_unsupported_head_dim_is_refused(tiny_config):
+  tiny_config.model.update(attention_implementation="cudnn", dtype="bfloat16", qkv_dim=36,
+                           num_heads=2)
+  with pytest.raises(config_validation.ConfigError, match="qkv_dim / num_heads = 18"):
+    config_validation.validate(tiny_config)
+  tiny_config.model.qkv_dim = 32
+  config_validation.validate(tiny_config)
+
+
 @pytest.mark.parametrize("config_arg, message", [
     ("configs/nope.py", "No such file or directory"),
     ("{bad}", "invalid syntax"),
