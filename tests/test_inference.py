@@ -122,6 +122,7 @@ BAD_CONFIGS = [
     ("decoding.method", "beams", "did you mean 'beam'"),
     ("model.dtype", "fp16", "not one of"),
     ("model.attention_implementation", "flash", "not one of"),
+    ("prng_impl", "philox", "not one of"),
     ("model.pooling", "max", "not one of"),
     ("per_device_batch_size", 0, "must be >= 1"),
     ("log_every_steps", 0, "must be >= 1"),
@@ -160,6 +161,15 @@ def test_cudnn_attention_in_float32_is_refused(tiny_config):
   tiny_config.model.attention_implementation = "cudnn"
   with pytest.raises(config_validation.ConfigError, match="needs config.model.dtype"):
     config_validation.validate(tiny_config)
+
+
+def test_cudnn_attention_with_an_unsupported_head_dim_is_refused(tiny_config):
+  tiny_config.model.update(attention_implementation="cudnn", dtype="bfloat16", qkv_dim=36,
+                           num_heads=2)
+  with pytest.raises(config_validation.ConfigError, match="qkv_dim / num_heads = 18"):
+    config_validation.validate(tiny_config)
+  tiny_config.model.qkv_dim = 32
+  config_validation.validate(tiny_config)
 
 
 @pytest.mark.parametrize("config_arg, message", [

@@ -81,6 +81,43 @@ def dot_product_attention(query: Array, key: Array, value: Array, mask: Array | 
   return (out, weights) if return_weights else out
 
 
+# What 'auto' runs per backend (jax.default_backend()). cuDNN is not chosen on GPU until it is
+# measured correct and faster there (issue #18; benchmarks/RESULTS.md).
+AUTO_IMPLEMENTATION = {"gpu": "xla", "cpu": "xla", "tpu": "xla"}
+
+
+def fused_implementation(implementation: str) -> str:
+  """The `jax.nn.dot_product_attention` implementation that `implementation` ('xla', 'cudnn'
+  or 'auto') runs on the default backend."""
+  if implementation != "auto":
+    return implementation
+  return AUTO_IMPLEMENTATION.get(jax.default_backend(), "xla")
+
+
+def fused_attention(query: Array, key: Array, value: Array, mask: Array | None,
+                    implementation: str) -> Array:
+  """Dot-product attention through `jax.nn.dot_product_attention`: [b, q, h, d] like
+  `dot_product_attention`, without weights or dropout."""
+  implementation = fused_implementation(implementation)
+  if mask is None:
+    return jax.nn.dot_product_attention(query, key, value, implementation=implementation)
+  mask = jnp.broadcast_to(mask, (query.shape[0], 1, query.shape[1], key.shape[1]))
+  if implementation != "cudnn":
+    return jax.nn.dot_product_attention(query, key, value, mask=mask,
+                                        implementation=implementation)
+  # cuDNN must not see a query row that may attend to no key (a padding query; a packed
+  # target segment without source): such a row's log-sum-exp is hugely negative, and with an
+  # explicit mask and a length of 64 mod 128 (Multi30k's 64-token rows) the Hopper backward
+  # kernel then returns NaN in dQ (pytorch/pytorch#196678), the likely cause of issue #18's
+  # NaN loss. Those rows attend to every key, then get the reference path's result instead:
+  # uniform weights, the mean of the values.
+  empty = ~jnp.any(mask, axis=-1)  # [b, 1, q]
+  out = jax.nn.dot_product_attention(query, key, value, mask=mask | empty[..., None],
+                                     implementation="cudnn")
+  mean = jnp.mean(value, axis=1, keepdims=True, dtype=jnp.float32).astype(out.dtype)
+  return jnp.where(empty[:, 0, :, None, None], mean, out)  # [b, q, h, d]
+
+
 class MultiHeadAttention(nn.Module):
   """Multi-head attention: project Q/K/V, score per head, attend, concatenate, project out.
 
@@ -141,10 +178,7 @@ class MultiHeadAttention(nn.Module):
     capture = self.is_mutable_collection("intermediates")
     if self.score == "dot_product" and self.implementation != "reference" and not (
         capture or dropout_rng is not None):
-      out = jax.nn.dot_product_attention(
-          query, key, value, mask=None if mask is None else jnp.broadcast_to(
-              mask, (query.shape[0], 1, query.shape[1], key.shape[1])),
-          implementation=None if self.implementation == "auto" else self.implementation)
+      out = fused_attention(query, key, value, mask, self.implementation)
     else:
       if self.score == "dot_product":
         out, weights = dot_product_attention(query, key, value, mask, return_weights=True,

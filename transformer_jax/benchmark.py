@@ -44,10 +44,13 @@ flags.DEFINE_integer("steps", 20, "Timed repetitions.")
 flags.DEFINE_integer("warmup", 3, "Untimed repetitions after compilation.")
 flags.DEFINE_bool("decode", True, "Also measure decoding.")
 flags.DEFINE_integer("vocab_size", None, "Overrides config.model.vocab_size.")
+flags.DEFINE_string("profile_dir", None, "Also trace PROFILE_STEPS training steps with "
+                    "jax.profiler into this folder (summary: benchmarks/trace_summary.py).")
 flags.DEFINE_float("peak_tflops", None, "Peak TFLOP/s of one device for the MFU; default: "
                    "known accelerators' data sheets, or a measured matmul on CPU.")
 
 NEVER = -1  # an EOS id no token has: every row decodes decode_len tokens
+PROFILE_STEPS = 3  # traced after the timed steps, with --profile_dir
 
 
 def _timed(fn, steps: int, warmup: int) -> float:
@@ -63,6 +66,7 @@ def _timed(fn, steps: int, warmup: int) -> float:
 def train_step_runner(config, family, batch_size: int, seq_len: int) -> Callable[[], None]:
   """A call that runs one training step (config.parallel's layout) on fixed random tokens and
   blocks until it is done; the state it updates lives in the closure."""
+  train.use_prng_impl(config)
   layout = parallel.make_layout(config)
   rng = np.random.default_rng(0)
   batch = layout.train_batch({k: rng.integers(3, config.model.vocab_size, (batch_size, seq_len),
@@ -79,14 +83,19 @@ def train_step_runner(config, family, batch_size: int, seq_len: int) -> Callable
   return run
 
 
-def train_speed(config, family, batch_size: int, seq_len: int, steps: int, warmup: int) -> dict:
+def train_speed(config, family, batch_size: int, seq_len: int, steps: int, warmup: int,
+                profile_dir: str | None = None) -> dict:
   """Seconds per training step (config.parallel's layout) on random tokens, and target
-  tokens per second."""
+  tokens per second; with `profile_dir`, then a trace of PROFILE_STEPS more steps there."""
   run = train_step_runner(config, family, batch_size, seq_len)
   start = time.perf_counter()
   run()
   compile_s = time.perf_counter() - start
   seconds = _timed(run, steps, warmup)
+  if profile_dir:
+    with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+      for _ in range(PROFILE_STEPS):
+        run()
   return {"train_step_s": seconds, "train_tokens_per_s": batch_size * seq_len / seconds,
           "compile_s": compile_s}
 
@@ -176,7 +185,8 @@ def main(argv):
   device = jax.devices()[0]
   result = {"device": device.device_kind, "devices": jax.device_count(),
             "batch_size": f.batch_size, "seq_len": f.seq_len, "dtype": str(config.model.dtype)}
-  result.update(train_speed(config, family, f.batch_size, f.seq_len, f.steps, f.warmup))
+  result.update(train_speed(config, family, f.batch_size, f.seq_len, f.steps, f.warmup,
+                            f.profile_dir))
   step_flops = flops.train_step_flops(model_config, f.batch_size, f.seq_len, f.seq_len)
   if f.peak_tflops:
     peak, source = f.peak_tflops, "--peak_tflops"

@@ -27,6 +27,7 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.position_embedding": ("sinusoidal", "learned"),
     "model.attention_implementation": ("reference", "xla", "cudnn", "auto"),
+    "prng_impl": ("threefry2x32", "rbg", "unsafe_rbg"),
     "model.remat_policy": ("full", "dots", "dots_no_batch"),
     "model.pooling": ("mean", "first", "attention"),
 }
@@ -125,6 +126,11 @@ def _cross_key_problems(config: ml_collections.ConfigDict,
   if m.attention_implementation == "cudnn" and m.dtype == "float32":
     found.append("config.model.attention_implementation='cudnn' needs config.model.dtype "
                  "'bfloat16' or 'float16' (cuDNN attention has no float32 kernel)")
+  head_dim = m.qkv_dim // m.num_heads
+  if m.attention_implementation == "cudnn" and (head_dim % 8 or head_dim > 256):
+    found.append(f"config.model.attention_implementation='cudnn' needs a head dimension "
+                 f"(qkv_dim / num_heads = {head_dim}) that is a multiple of 8 and at most 256 "
+                 "(cuDNN's flash attention kernels); use 'xla'")
   if config.eval_split not in config.splits:
     found.append(f"config.eval_split={config.eval_split!r} is not a key of config.splits "
                  f"({', '.join(config.splits)})")

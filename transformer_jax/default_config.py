@@ -111,6 +111,11 @@ def get_config() -> ml_collections.ConfigDict:
   # 'label_files') and the capped samples of a mixture's parts. Apart from config.seed, so
   # that a new training seed never changes the test set.
   config.data_seed = 0
+  # JAX's random-number generator for initialisation and dropout: 'threefry2x32' (JAX's
+  # default: the same numbers on every backend and sharding), or 'rbg' / 'unsafe_rbg' (XLA's
+  # bit generator, which MaxText uses on GPU and TPU for cheaper dropout masks; other numbers
+  # per backend; no faster on CPU). Measurements: benchmarks/RESULTS.md.
+  config.prng_impl = "threefry2x32"
 
   # ---- Devices ----------------------------------------------------------------------------
   # How the devices share the work (see transformer_jax/parallel.py). mode 'pmap': data

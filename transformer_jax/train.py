@@ -179,6 +179,12 @@ def compile_train_step(config: ml_collections.ConfigDict, family: families.Famil
       grad_accum_steps=config.grad_accum_steps, axis_name=layout.axis_name))
 
 
+def use_prng_impl(config: ml_collections.ConfigDict) -> None:
+  """Makes `config.prng_impl` JAX's default generator; call before any key is made (it is
+  process-wide, and keys of one implementation do not mix with another's)."""
+  jax.config.update("jax_default_prng_impl", config.get("prng_impl", "threefry2x32"))
+
+
 def create_state(config: ml_collections.ConfigDict, family: families.Family,
                  rng) -> train_state.TrainState:
   """A fresh training state. Its parameters (and their optimizer moments) are boxed with
@@ -236,6 +242,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   good checkpoint; returns the final evaluation (with "preempted": True when a SIGTERM or
   Ctrl-C stopped it early, after saving)."""
   config_validation.validate(config, jax.device_count())
+  use_prng_impl(config)
   workdir_lib.path(workdir).mkdir(parents=True, exist_ok=True)
   with _locked(workdir):
     return _train_and_evaluate(config, workdir)
