@@ -1,5 +1,7 @@
-"""Decoding on a fake model whose next-token logits depend on the whole prefix."""
+"""Decoding on fake models whose next-token logits depend on the whole prefix, against numpy
+references: exhaustive search, a step-by-step 2 x beam search, greedy search, rescoring."""
 
+import functools
 import itertools
 
 import jax
@@ -9,139 +11,327 @@ import pytest
 
 from transformer_jax import decoding
 
-VOCAB, EOS, BOS, MAX_LEN = 4, 1, 2, 4
+EOS, BOS = 1, 2
 
 
-def _logit_table(seed):
-  # One logit vector per (position, previous token, running sum of the prefix mod 3).
-  return jax.random.normal(jax.random.PRNGKey(seed), (MAX_LEN, VOCAB, 3, VOCAB)) * 2.0
+# ---- A fake model and numpy references ------------------------------------------------------
+
+def _code(prefix, vocab):
+  """A distinct integer for every output prefix (0 = empty)."""
+  code = 0
+  for token in prefix:
+    code = code * (vocab + 1) + token + 1
+  return code
 
 
-def _fake_model(table, batch):
-  """tokens_to_logits over a cache holding the step and each row's prefix sum."""
-  cache = {"index": jnp.array(0), "prefix_sum": jnp.zeros((batch,), jnp.int32)}
+def _random_tables(seed, batch, vocab, length):
+  """[batch, codes, vocab] logits: one random vector per example and output prefix."""
+  rng = np.random.default_rng(seed)
+  return (rng.normal(size=(batch, (vocab + 1) ** (length - 1), vocab)) * 2.0).astype(np.float32)
+
+
+def _prefix_model(tables):
+  """tokens_to_logits returning tables[example, code of its output so far]; the cache holds
+  each row's code and example, so beam search reorders them with the rows."""
+  tables = jnp.asarray(tables)
+  batch, _, vocab = tables.shape
+  cache = {"index": jnp.array(0), "code": jnp.zeros((batch,), jnp.int32),
+           "example": jnp.arange(batch)}
 
   def tokens_to_logits(ids, cache):
-    last = ids[:, 0]
-    prefix_sum = cache["prefix_sum"] + jnp.where(last == BOS, 0, last)
-    logits = table[cache["index"], last, prefix_sum % 3]
-    return logits, {"index": cache["index"] + 1, "prefix_sum": prefix_sum}
+    # The first call is fed BOS: the output so far is empty.
+    code = jnp.where(cache["index"] == 0, 0, cache["code"] * (vocab + 1) + ids[:, 0] + 1)
+    logits = tables[cache["example"], code]  # [rows, vocab]
+    return logits, {"index": cache["index"] + 1, "code": code, "example": cache["example"]}
 
   return cache, tokens_to_logits
 
 
 def _log_softmax(x):
   x = np.asarray(x, np.float64)
-  return x - np.log(np.exp(x - x.max()).sum()) - x.max()
+  return x - x.max(-1, keepdims=True) - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(
+      -1, keepdims=True))
 
 
-def _exhaustive_best(table, alpha):
-  """Every output that ends in EOS, or reaches MAX_LEN, scored as the beam search scores."""
-  table = np.asarray(table)
-  best = []
-  for length in range(1, MAX_LEN + 1):
-    for seq in itertools.product(range(VOCAB), repeat=length):
-      if EOS in seq[:-1] or (length < MAX_LEN and seq[-1] != EOS):
+def _penalty(length, alpha):
+  return ((5 + length) / 6) ** alpha
+
+
+def _logprob(table, seq, forced=0):
+  """log P(seq) under one example's table; the first `forced` tokens are free."""
+  vocab = table.shape[-1]
+  return sum(_log_softmax(table[_code(seq[:i], vocab)])[t] for i, t in enumerate(seq)
+             if i >= forced)
+
+
+def _exhaustive(table, alpha, length):
+  """Every output: those ending in EOS best first, then those of `length` tokens without EOS
+  best first, as (tokens, score)."""
+  vocab = table.shape[-1]
+  logp = _log_softmax(table)  # [codes, vocab]
+  finished, live = [], []
+  for n in range(1, length + 1):
+    for seq in itertools.product(range(vocab), repeat=n):
+      if EOS in seq[:-1] or (seq[-1] != EOS and n < length):
         continue
-      logprob, last, prefix_sum = 0.0, BOS, 0
-      for i, token in enumerate(seq):
-        prefix_sum += 0 if last == BOS else last
-        logprob += _log_softmax(table[i, last, prefix_sum % 3])[token]
-        last = token
-      best.append((logprob / ((5 + length) / 6) ** alpha, seq))
-  return sorted(best, reverse=True)
+      score = sum(logp[_code(seq[:i], vocab), t] for i, t in enumerate(seq)) / _penalty(n, alpha)
+      (finished if seq[-1] == EOS else live).append((seq, score))
+  by_score = lambda hyps: sorted(hyps, key=lambda h: -h[1])
+  return by_score(finished) + by_score(live)
 
 
-@pytest.mark.parametrize("alpha", [0.0, 0.6, 2.0])
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_wide_beam_finds_exact_best(alpha, seed):
-  table = _logit_table(seed)
-  cache, tokens_to_logits = _fake_model(table, batch=1)
-  # 256 slots >= every hypothesis there is (at most 4 + 12 + 36 + 108 end by step 4).
-  sequences, scores = decoding.beam_search(jnp.ones((1, 3), jnp.int32), cache, tokens_to_logits,
-                                           beam_size=256, alpha=alpha, eos_id=EOS,
-                                           max_decode_len=MAX_LEN, bos_id=BOS)
-  expected = _exhaustive_best(table, alpha)
-  best_score, best_seq = expected[0]
-  np.testing.assert_allclose(scores[0, 0], best_score, rtol=1e-5)
-  np.testing.assert_array_equal(sequences[0, 0, :len(best_seq)], best_seq)
-  np.testing.assert_array_equal(sequences[0, 0, len(best_seq):], 0)
-  # Every returned hypothesis carries its true score, best first.
-  by_sequence = {seq: score for score, seq in expected}
-  found = np.asarray(scores[0]) > decoding.NEG_INF / 2
-  assert np.all(np.diff(np.asarray(scores[0])[found]) <= 1e-6)
-  for row, score in zip(np.asarray(sequences[0])[found], np.asarray(scores[0])[found]):
-    length = next((i + 1 for i, t in enumerate(row) if t == EOS), MAX_LEN)
-    np.testing.assert_allclose(score, by_sequence[tuple(row[:length])], rtol=1e-5)
+def _reference_beam(table, beam, alpha, length, prompt=()):
+  """The 2 x beam algorithm, one example, step by step: the 2 * beam best extensions of the
+  live hypotheses; those ending in EOS (outside the prompt) compete for `beam` finished slots,
+  the `beam` best others stay live; free finished slots take the live ones at the end."""
+  vocab = table.shape[-1]
+  live, finished = [((), 0.0)], []
+  for step in range(length):
+    if step < len(prompt):
+      candidates = [(seq + (prompt[step],), logprob) for seq, logprob in live]
+      ends = lambda seq: False
+    else:
+      candidates = [(seq + (t,), logprob + _log_softmax(table[_code(seq, vocab)])[t])
+                    for seq, logprob in live for t in range(vocab)]
+      ends = lambda seq: seq[-1] == EOS
+    candidates = sorted(candidates, key=lambda h: -h[1])[:2 * beam]
+    finished += [(seq, logprob / _penalty(step + 1, alpha)) for seq, logprob in candidates
+                 if ends(seq)]
+    finished = sorted(finished, key=lambda h: -h[1])[:beam]
+    live = [h for h in candidates if not ends(h[0])][:beam]
+  return (finished + [(seq, logprob / _penalty(length, alpha)) for seq, logprob in live])[:beam]
 
 
-def test_without_early_stop_wide_beam_returns_the_whole_ranking():
-  table = _logit_table(5)
-  cache, tokens_to_logits = _fake_model(table, batch=1)
-  # alpha < 0 disables the early stop: every hypothesis is finished and ranked.
-  sequences, scores = decoding.beam_search(jnp.ones((1, 3), jnp.int32), cache, tokens_to_logits,
-                                           beam_size=256, alpha=-0.5, eos_id=EOS,
-                                           max_decode_len=MAX_LEN, bos_id=BOS)
-  expected = _exhaustive_best(table, -0.5)
-  np.testing.assert_allclose(np.asarray(scores[0])[:len(expected)], [s for s, _ in expected],
-                             rtol=1e-5)
-  assert np.all(np.asarray(scores[0])[len(expected):] == decoding.NEG_INF)
+def _assert_hypotheses(sequences, scores, expected):
+  """[beam, length] tokens and [beam] scores == (tokens, score) list, zeros / NEG_INF after."""
+  sequences, scores = np.asarray(sequences), np.asarray(scores)
+  want = np.zeros_like(sequences)
+  for i, (seq, _) in enumerate(expected):
+    want[i, :len(seq)] = seq
+  want_scores = [s for _, s in expected] + [decoding.NEG_INF] * (len(scores) - len(expected))
+  np.testing.assert_array_equal(sequences, want)
+  np.testing.assert_allclose(scores, want_scores, rtol=1e-5, atol=1e-5)
+
+
+def _fixed_tables(logits, length):
+  """The tables [1, codes, vocab] of a model giving `logits` [vocab] after every prefix."""
+  logits = np.asarray(logits, np.float32)
+  return np.tile(logits, ((len(logits) + 1) ** (length - 1), 1))[None]
+
+
+# Compiled once per shape and static setting, and shared by the tests.
+@functools.partial(jax.jit, static_argnames=("beam_size", "max_len", "processor"))
+def _beam(tables, alpha, prompt=None, *, beam_size, max_len, processor=None):
+  cache, tokens_to_logits = _prefix_model(tables)
+  return decoding.beam_search(jnp.zeros((tables.shape[0], 1), jnp.int32), cache,
+                              tokens_to_logits, beam_size=beam_size, alpha=alpha, eos_id=EOS,
+                              max_decode_len=max_len, bos_id=BOS, decoder_prompt=prompt,
+                              logits_processor=processor)
+
+
+@functools.partial(jax.jit, static_argnames=("max_len", "processor"))
+def _greedy(tables, prompt=None, *, max_len, processor=None):
+  cache, tokens_to_logits = _prefix_model(tables)
+  return decoding.greedy_search(cache, tokens_to_logits, batch_size=tables.shape[0], bos_id=BOS,
+                                eos_id=EOS, max_decode_len=max_len, return_logprobs=True,
+                                decoder_prompt=prompt, logits_processor=processor)
+
+
+_sample_traces = []  # one entry per compilation of _sample
+
+
+@functools.partial(jax.jit, static_argnames=("max_len", "top_k", "num_decodes"))
+def _sample(tables, rng, temperature=1.0, top_p=1.0, prompt=None, *, max_len, top_k=0,
+            num_decodes=None):
+  _sample_traces.append(1)
+  cache, tokens_to_logits = _prefix_model(tables)
+  return decoding.sample(cache, tokens_to_logits, rng, batch_size=tables.shape[0], bos_id=BOS,
+                         eos_id=EOS, max_decode_len=max_len, temperature=temperature,
+                         top_k=top_k, top_p=top_p, return_logprobs=True,
+                         num_decodes=num_decodes, decoder_prompt=prompt)
+
+
+# ---- Beam search ----------------------------------------------------------------------------
+
+def test_keeps_the_hypothesis_that_ended_first():
+  # The issue's case: a top-beam search keeps only [3 ...] and returns [3, 3, 3, 3] (-2.473);
+  # EOS at once is better.
+  logits = np.array([-1e7, -1.0, -0.9, -0.1, -1e7, -1e7, -1e7, -1e7])
+  sequences, scores = _beam(_fixed_tables(logits, 4), 0.0, beam_size=2, max_len=4)
+  logp = _log_softmax(logits)
+  np.testing.assert_array_equal(sequences[0], [[1, 0, 0, 0], [3, 1, 0, 0]])
+  np.testing.assert_allclose(scores[0], [logp[1], logp[3] + logp[1]], rtol=1e-6)
+  assert round(float(scores[0, 0]), 3) == -1.518
+  # With EOS out of reach, live hypotheses of max_decode_len tokens fill the slots.
+  logits[EOS] = -1e7
+  sequences, scores = _beam(_fixed_tables(logits, 4), 0.0, beam_size=2, max_len=4)
+  logp = _log_softmax(logits)
+  np.testing.assert_array_equal(sequences[0, 0], [3, 3, 3, 3])
+  np.testing.assert_allclose(scores[0], [4 * logp[3], 3 * logp[3] + logp[2]], rtol=1e-6)
+  # max_decode_len defaults to the source length + 50.
+  shapes = jax.eval_shape(lambda: decoding.beam_search(
+      jnp.ones((1, 3), jnp.int32), {}, lambda ids, c: (jnp.zeros((ids.shape[0], 8)), c),
+      beam_size=2, alpha=0.0, eos_id=EOS))
+  assert shapes[0].shape == (1, 2, 53)
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.6])
-def test_beam_one_is_greedy(alpha):
-  batch = 3
-  tables = jnp.stack([_logit_table(s) for s in range(batch)])
-
-  def fake(batch_tables):
-    cache = {"index": jnp.array(0), "prefix_sum": jnp.zeros((batch,), jnp.int32)}
-
-    def tokens_to_logits(ids, cache):
-      last = ids[:, 0]
-      prefix_sum = cache["prefix_sum"] + jnp.where(last == BOS, 0, last)
-      rows = jnp.arange(ids.shape[0]) % batch
-      logits = batch_tables[rows, cache["index"], last, prefix_sum % 3]
-      return logits, {"index": cache["index"] + 1, "prefix_sum": prefix_sum}
-    return cache, tokens_to_logits
-
-  cache, tokens_to_logits = fake(tables)
-  greedy = decoding.greedy_search(cache, tokens_to_logits, batch_size=batch, bos_id=BOS,
-                                  eos_id=EOS, max_decode_len=MAX_LEN)
-  sequences, scores = decoding.beam_search(jnp.ones((batch, 3), jnp.int32), cache,
-                                           tokens_to_logits, beam_size=1, alpha=alpha,
-                                           eos_id=EOS, max_decode_len=MAX_LEN, bos_id=BOS)
-  np.testing.assert_array_equal(sequences[:, 0], greedy)
+@pytest.mark.parametrize("vocab,length", [(3, 4), (6, 4)])
+def test_beam_as_wide_as_every_output_ranks_them_all(vocab, length, alpha):
+  tables = _random_tables(vocab + length, 2, vocab, length)
+  expected = [_exhaustive(table, alpha, length) for table in tables]
+  beam = len(expected[0])  # every output: (vocab-1)^(n-1) ending in EOS at n, (vocab-1)^length not
+  sequences, scores = _beam(tables, alpha, beam_size=beam, max_len=length)
+  for example in range(2):
+    _assert_hypotheses(sequences[example], scores[example], expected[example])
 
 
-def _sampling_model(batch, vocab=50, seed=0):
-  table = jax.random.normal(jax.random.PRNGKey(seed), (MAX_LEN + 1, vocab)) * 3.0
-  cache = {"index": jnp.array(0)}
+@pytest.mark.parametrize("beam", [1, 2, 3, 4])
+def test_equals_step_by_step_reference(beam):
+  vocab, length = 4, 5
+  tables = _random_tables(beam, 8, vocab, length)
+  for alpha in [0.0, 0.6]:
+    sequences, scores = _beam(tables, alpha, beam_size=beam, max_len=length)
+    for example, table in enumerate(tables):
+      _assert_hypotheses(sequences[example], scores[example],
+                         _reference_beam(table, beam, alpha, length))
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_forced_prompt_equals_reference(beam):
+  vocab, length = 5, 4
+  tables = _random_tables(beam, 5, vocab, length)
+  # A forced EOS does not end the output; a prompt ends at its first 0.
+  prompt = np.array([[4, 1], [1, 0], [0, 0], [3, 0], [0, 2]], np.int32)
+  sequences, scores = _beam(tables, 0.6, jnp.asarray(prompt), beam_size=beam, max_len=length)
+  for example, table in enumerate(tables):
+    forced = tuple(itertools.takewhile(lambda t: t != 0, prompt[example]))
+    _assert_hypotheses(sequences[example], scores[example],
+                       _reference_beam(table, beam, 0.6, length, forced))
+
+
+def test_stops_once_no_live_hypothesis_can_win():
+  steps = []
 
   def tokens_to_logits(ids, cache):
-    logits = jnp.tile(table[cache["index"]][None], (ids.shape[0], 1)) + ids * 0.01
-    return logits, {"index": cache["index"] + 1}
-  return cache, tokens_to_logits
+    jax.debug.callback(steps.append, cache["index"])
+    logits = jnp.array([-9.0, 0.0, -5.0, -6.0])  # EOS likely: both slots finish at steps 1, 2
+    return jnp.tile(logits, (ids.shape[0], 1)), {"index": cache["index"] + 1}
+
+  sequences, _ = jax.jit(lambda: decoding.beam_search(
+      jnp.ones((1, 3), jnp.int32), {"index": jnp.array(0)}, tokens_to_logits, beam_size=2,
+      alpha=0.6, eos_id=EOS, max_decode_len=10))()
+  jax.effects_barrier()
+  np.testing.assert_array_equal(sequences[0, :, :3], [[1, 0, 0], [2, 1, 0]])
+  assert len(steps) == 2
 
 
-def test_top_k_one_and_zero_temperature_equal_greedy():
-  cache, tokens_to_logits = _sampling_model(batch=4)
-  common = dict(batch_size=4, bos_id=BOS, eos_id=EOS, max_decode_len=MAX_LEN)
-  greedy = decoding.greedy_search(cache, tokens_to_logits, **common)
+def test_beam_size_one_keeps_an_ending_hypothesis_greedy_search_passes():
+  # Greedy takes 2 (-0.47), then its best, EOS (-1.09): -1.57 in all. Beam 1 also keeps the
+  # second-best extension of the first step, EOS (-0.97), and that is better.
+  table = np.full((25, 4), -30.0, np.float32)  # (vocab + 1) ** (length - 1) prefixes
+  table[0, [1, 2]] = [-0.5, 0.0]  # empty output: EOS or 2
+  table[_code((2,), 4), 1:] = [0.0, -0.01, -0.01]  # after 2: EOS, narrowly
+  greedy, greedy_logprob = _greedy(table[None], max_len=3)
+  sequences, scores = _beam(table[None], 0.0, beam_size=1, max_len=3)
+  np.testing.assert_array_equal(greedy[0], [2, 1, 0])
+  np.testing.assert_array_equal(sequences[0, 0], [1, 0, 0])
+  np.testing.assert_allclose(scores[0, 0], _logprob(table, (1,)), rtol=1e-5)
+  assert scores[0, 0] > greedy_logprob[0]
+
+
+# ---- Greedy search --------------------------------------------------------------------------
+
+def test_greedy_with_prompt_equals_reference():
+  vocab, length = 5, 5
+  tables = _random_tables(3, 4, vocab, length)
+  prompt = np.array([[3, 1, 4], [1, 0, 0], [0, 0, 0], [2, 2, 2]], np.int32)
+  tokens, logprobs = _greedy(tables, prompt, max_len=length)
+  for example, table in enumerate(tables):
+    seq = list(itertools.takewhile(lambda t: t != 0, prompt[example]))
+    forced = len(seq)
+    while len(seq) < length and (len(seq) == forced or seq[-1] != EOS):
+      seq.append(int(np.argmax(table[_code(seq, vocab)])))
+    np.testing.assert_array_equal(tokens[example], seq + [0] * (length - len(seq)))
+    np.testing.assert_allclose(logprobs[example], _logprob(table, seq, forced), rtol=1e-5)
+
+
+# ---- Sampling -------------------------------------------------------------------------------
+
+def test_zero_temperature_and_top_k_one_equal_greedy():
+  tables = _random_tables(4, 4, 8, 3)
+  greedy, _ = _greedy(tables, max_len=3)
   rng = jax.random.PRNGKey(7)
-  np.testing.assert_array_equal(
-      decoding.sample(cache, tokens_to_logits, rng, top_k=1, temperature=1.5, **common), greedy)
-  np.testing.assert_array_equal(
-      decoding.sample(cache, tokens_to_logits, rng, temperature=0.0, **common), greedy)
-  np.testing.assert_array_equal(
-      decoding.sample(cache, tokens_to_logits, rng, temperature=1e-6, **common), greedy)
+  np.testing.assert_array_equal(_sample(tables, rng, 1.5, top_k=1, max_len=3)[0], greedy)
+  for temperature, top_p in [(0.0, 1.0), (1e-6, 1.0), (0.0, 0.5)]:
+    np.testing.assert_array_equal(_sample(tables, rng, temperature, top_p, max_len=3)[0], greedy)
+
+
+def test_temperature_and_top_p_are_traced():
+  tables = _random_tables(5, 4, 8, 3)
+  greedy, _ = _greedy(tables, max_len=3)
+  rng = jax.random.PRNGKey(0)
+  hot, _ = _sample(tables, rng, 5.0, 1.0, max_len=3)
+  compilations = len(_sample_traces)
+  np.testing.assert_array_equal(_sample(tables, rng, 0.0, 1.0, max_len=3)[0], greedy)
+  np.testing.assert_array_equal(_sample(tables, rng, 5.0, 1e-6, max_len=3)[0], greedy)
+  assert not np.array_equal(hot, greedy)
+  assert len(_sample_traces) == compilations
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.5, 1.0, 0),
+                                                    (1.0, 0.75, 0), (2.0, 1.0, 2)])
+def test_samples_follow_the_filtered_distribution(temperature, top_p, top_k):
+  probs = np.array([0.1, 0.05, 0.4, 0.3, 0.15])
+  n = 4000
+  tokens, _ = _sample(_fixed_tables(np.log(probs), 1), jax.random.PRNGKey(3), temperature,
+                      top_p, max_len=1, top_k=top_k, num_decodes=n)
+  expected = probs ** (1 / temperature)
+  expected /= expected.sum()
+  order = np.argsort(-expected)
+  # Nucleus after temperature: the fewest most likely tokens holding top_p.
+  kept = order[:min(np.searchsorted(np.cumsum(expected[order]), top_p - 1e-9) + 1,
+                    top_k or len(probs))]
+  expected = np.where(np.isin(np.arange(len(probs)), kept), expected, 0.0)
+  expected /= expected.sum()
+  counts = np.bincount(np.asarray(tokens).reshape(-1), minlength=len(probs)) / n
+  np.testing.assert_allclose(counts, expected, atol=0.035)
+  assert np.all(counts[expected == 0] == 0)
+
+
+def test_num_decodes_with_prompt_returns_ranked_samples_and_their_logprobs():
+  vocab, length, n = 6, 4, 5
+  tables = _random_tables(6, 3, vocab, length)
+  prompt = np.array([[3, 4], [5, 0], [0, 0]], np.int32)
+  tokens, logprobs = _sample(tables, jax.random.PRNGKey(1), prompt=prompt, max_len=length,
+                             num_decodes=n)
+  assert tokens.shape == (3, n, length) and logprobs.shape == (3, n)
+  assert np.all(np.diff(np.asarray(logprobs), axis=1) <= 0)  # most likely first
+  for example, table in enumerate(tables):
+    forced = list(itertools.takewhile(lambda t: t != 0, prompt[example]))
+    assert len({tuple(row) for row in np.asarray(tokens[example])}) > 1  # independent samples
+    for row, logprob in zip(np.asarray(tokens[example]), np.asarray(logprobs[example])):
+      np.testing.assert_array_equal(row[:len(forced)], forced)
+      end = next((i + 1 for i, t in enumerate(row) if t == EOS and i >= len(forced)), length)
+      assert np.all(row[end:] == 0)
+      np.testing.assert_allclose(logprob, _logprob(table, row[:end], len(forced)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("options", [dict(top_p=0.0), dict(top_p=-0.1), dict(top_p=1.5),
+                                     dict(temperature=-0.5), dict(top_k=-1),
+                                     dict(num_decodes=0)])
+def test_sampling_refuses_bad_settings(options):
+  with pytest.raises(ValueError, match=next(iter(options))):
+    decoding.sample({}, lambda ids, cache: (jnp.zeros((ids.shape[0], 2)), cache),
+                    jax.random.PRNGKey(0), batch_size=1,
+                    bos_id=BOS, eos_id=EOS, max_decode_len=2, **options)
 
 
 def test_fixed_seed_reproduces_samples():
-  cache, tokens_to_logits = _sampling_model(batch=8)
-  common = dict(batch_size=8, bos_id=BOS, eos_id=EOS, max_decode_len=MAX_LEN)
-  a = decoding.sample(cache, tokens_to_logits, jax.random.PRNGKey(1), **common)
-  b = decoding.sample(cache, tokens_to_logits, jax.random.PRNGKey(1), **common)
-  c = decoding.sample(cache, tokens_to_logits, jax.random.PRNGKey(2), **common)
+  tables = _random_tables(7, 4, 8, 3)
+  a, _ = _sample(tables, jax.random.PRNGKey(1), 1.0, 1.0, max_len=3)
+  b, _ = _sample(tables, jax.random.PRNGKey(1), 1.0, 1.0, max_len=3)
+  c, _ = _sample(tables, jax.random.PRNGKey(2), 1.0, 1.0, max_len=3)
   np.testing.assert_array_equal(a, b)
   assert not np.array_equal(a, c)
 
@@ -150,15 +340,108 @@ def test_top_p_keeps_exactly_the_smallest_nucleus():
   probs = np.array([0.05, 0.4, 0.1, 0.3, 0.15])
   logits = jnp.log(jnp.asarray(probs))[None]
   # Sorted: 0.4, 0.3, 0.15, 0.1, 0.05. 0.4 + 0.3 = 0.7 < 0.75, so 0.15 is needed too.
-  kept = decoding.filter_logits(logits, top_p=0.75)[0] > decoding.NEG_INF / 2
-  np.testing.assert_array_equal(kept, [False, True, False, True, True])
-  kept = decoding.filter_logits(logits, top_p=0.7)[0] > decoding.NEG_INF / 2
-  np.testing.assert_array_equal(kept, [False, True, False, True, False])
-  kept = decoding.filter_logits(logits, top_p=0.3)[0] > decoding.NEG_INF / 2
-  np.testing.assert_array_equal(kept, [False, True, False, False, False])
+  for top_p, want in [(0.75, [0, 1, 0, 1, 1]), (0.7, [0, 1, 0, 1, 0]), (0.3, [0, 1, 0, 0, 0]),
+                      (1.0, [1, 1, 1, 1, 1])]:
+    for value in (top_p, jnp.float32(top_p)):  # a traced-able array filters the same
+      kept = decoding.filter_logits(logits, top_p=value)[0] > decoding.NEG_INF / 2
+      np.testing.assert_array_equal(kept, np.array(want, bool))
 
 
 def test_top_k_keeps_k_best():
   logits = jnp.array([[0.1, 3.0, -1.0, 2.0, 0.5]])
   kept = decoding.filter_logits(logits, top_k=2)[0] > decoding.NEG_INF / 2
   np.testing.assert_array_equal(kept, [False, True, False, True, False])
+
+
+# ---- Logits processors ----------------------------------------------------------------------
+
+def _greedy_fixed(logits, length, processor=None):
+  """Greedy output [length] of a model giving `logits` at every step."""
+  return np.asarray(_greedy(_fixed_tables(logits, length), max_len=length,
+                            processor=processor)[0][0])
+
+
+def _beams_fixed(logits, length, beam, processor=None):
+  """Beam search outputs [beam, length] of a model giving `logits` at every step."""
+  return np.asarray(_beam(_fixed_tables(logits, length), 0.6, beam_size=beam, max_len=length,
+                          processor=processor)[0][0])
+
+
+def test_min_length_bans_eos_before_it():
+  logits = [-5.0, 0.0, -1.0, -2.0]  # EOS most likely
+  assert list(_greedy_fixed(logits, 5)) == [1, 0, 0, 0, 0]
+  processor = decoding.min_length_processor(2, EOS)
+  assert list(_greedy_fixed(logits, 5, processor=processor)) == [2, 2, 1, 0, 0]
+  for row in _beams_fixed(logits, 5, 3, processor=processor):
+    assert EOS not in row[:2] and EOS in row
+
+
+def test_banned_ids_are_never_generated():
+  logits = [-5.0, -9.0, 0.0, -1.0, -2.0]
+  processor = decoding.banned_ids_processor([2, 0])
+  assert list(_greedy_fixed(logits, 3, processor=processor)) == [3, 3, 3]
+  sequences = _beams_fixed(logits, 3, 4, processor=processor)
+  assert not np.isin(sequences, [2]).any() and len({tuple(r) for r in sequences}) == 4
+
+
+def test_repetition_penalty():
+  processor = decoding.repetition_penalty_processor(2.0)
+  logits = jnp.array([[2.0, -1.0, 3.0, 0.5, 1.0]])
+  # Seen: 1 and 2 (0 is padding); positive logits are divided, negative ones multiplied.
+  np.testing.assert_allclose(processor(logits, 2, jnp.array([[2, 1, 0, 0]])),
+                             [[2.0, -2.0, 1.5, 0.5, 1.0]])
+  peaked = [-9.0, -9.0, 2.0, 1.8, 1.2]
+  assert list(_greedy_fixed(peaked, 3)) == [2, 2, 2]
+  assert list(_greedy_fixed(peaked, 3, processor=processor)) == [2, 3, 4]
+
+
+def test_processor_sees_the_step_and_the_output_so_far():
+  def no_repeat_and_end_at_3(logits, step, sequences):
+    previous = jax.lax.dynamic_index_in_dim(sequences, jnp.maximum(step - 1, 0), axis=1)
+    vocab = jnp.arange(logits.shape[-1])
+    logits = jnp.where((step > 0) & (vocab == previous), decoding.NEG_INF, logits)
+    return jnp.where((step == 3) & (vocab != EOS), decoding.NEG_INF, logits)
+
+  logits = [-9.0, -5.0, 0.0, -0.5, -3.0]
+  assert list(_greedy_fixed(logits, 6, processor=no_repeat_and_end_at_3)) == [
+      2, 3, 2, 1, 0, 0]
+  for row in _beams_fixed(logits, 6, 3, processor=no_repeat_and_end_at_3):
+    end = list(row).index(EOS)
+    assert end <= 3 and np.all(row[1:end] != row[:end - 1]) and np.all(row[end + 1:] == 0)
+
+
+def test_make_logits_processor():
+  assert decoding.make_logits_processor(eos_id=EOS) is None
+  processor = decoding.make_logits_processor(eos_id=EOS, min_length=1, banned_ids=(4,),
+                                             repetition_penalty=2.0)
+  logits = jnp.array([[1.0, 3.0, 2.0, -1.0, 5.0]])
+  out = processor(logits, 0, jnp.zeros((1, 3), jnp.int32))
+  np.testing.assert_allclose(out, [[1.0, decoding.NEG_INF, 2.0, -1.0, decoding.NEG_INF]])
+  out = processor(logits, 2, jnp.array([[2, 3, 0]]))
+  np.testing.assert_allclose(out, [[1.0, 3.0, 1.0, -2.0, decoding.NEG_INF]])
+
+
+def test_processors_take_traced_settings():
+  traces = []
+
+  @jax.jit
+  def run(min_length, penalty):
+    traces.append(1)
+    processor = decoding.chain_processors(decoding.min_length_processor(min_length, EOS),
+                                          decoding.repetition_penalty_processor(penalty))
+    cache, tokens_to_logits = _prefix_model(_fixed_tables([-9.0, 0.5, 1.0, 0.9], 4))
+    return decoding.greedy_search(cache, tokens_to_logits, batch_size=1, bos_id=BOS, eos_id=EOS,
+                                  max_decode_len=4, logits_processor=processor)[0]
+
+  np.testing.assert_array_equal(run(0, 1.0), [2, 2, 2, 2])
+  np.testing.assert_array_equal(run(1, 2.0), [2, 3, 1, 0])
+  np.testing.assert_array_equal(run(3, 2.0), [2, 3, 2, 1])
+  assert len(traces) == 1
+
+
+@pytest.mark.parametrize("make", [lambda: decoding.min_length_processor(-1, EOS),
+                                  lambda: decoding.banned_ids_processor([3, -2]),
+                                  lambda: decoding.repetition_penalty_processor(0.0)])
+def test_processors_refuse_bad_settings(make):
+  with pytest.raises(ValueError):
+    make()

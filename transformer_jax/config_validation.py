@@ -58,6 +58,9 @@ RANGES = {
     "decoding.top_k": (0, None, True, True),
     "decoding.top_p": (0, 1, False, True),
     "decoding.max_decode_len": (0, None, True, True),
+    "decoding.num_decodes": (1, None, True, True),
+    "decoding.min_length": (0, None, True, True),
+    "decoding.repetition_penalty": (0, None, False, True),
     "model.vocab_size": (8, None, True, True),
     "model.emb_dim": (1, None, True, True),
     "model.num_heads": (1, None, True, True),
@@ -110,6 +113,11 @@ def problems(config: ml_collections.ConfigDict, device_count: int | None = None)
       problem = _range_problem(key, value, *bounds)
       if problem:
         found.append(problem)
+  banned = _get(config, "decoding.banned_ids")
+  if banned is not None and not (isinstance(banned, (list, tuple)) and all(
+      isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in banned)):
+    found.append(f"config.decoding.banned_ids={banned!r} must be a tuple of token ids >= 0, "
+                 "e.g. (3, 7)")
   if found:
     return found  # the rules below assume well-formed values
   found += _cross_key_problems(config, device_count)
@@ -148,9 +156,18 @@ def _cross_key_problems(config: ml_collections.ConfigDict,
     found.append(f"config.model.max_len={m.max_len} is shorter than the longest sequence "
                  f"the model sees ({longest} tokens from max_source_length / "
                  "max_target_length); raise max_len or lower those")
-  if families.generates_text(config) and config.decoding.max_decode_len > m.max_len:
-    found.append(f"config.decoding.max_decode_len={config.decoding.max_decode_len} is longer "
-                 f"than config.model.max_len={m.max_len}")
+  if families.generates_text(config):
+    d = config.decoding
+    if d.max_decode_len > m.max_len:
+      found.append(f"config.decoding.max_decode_len={d.max_decode_len} is longer "
+                   f"than config.model.max_len={m.max_len}")
+    if d.min_length and d.max_decode_len and d.min_length >= d.max_decode_len:
+      found.append(f"config.decoding.min_length={d.min_length} leaves no room for EOS in "
+                   f"config.decoding.max_decode_len={d.max_decode_len} tokens; lower it")
+    past_vocab = [i for i in d.banned_ids if i >= m.vocab_size]
+    if past_vocab:
+      found.append(f"config.decoding.banned_ids {past_vocab} are not below "
+                   f"config.model.vocab_size={m.vocab_size}")
   found += _rule_problems(config.parallel.logical_axis_rules)
   if config.parallel.mode == "jit" and device_count is not None:
     sizes = [config.parallel.data, config.parallel.fsdp, config.parallel.tensor]

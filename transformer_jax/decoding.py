@@ -2,33 +2,136 @@
 
 `tokens_to_logits(ids [n, 1], cache) -> (logits [n, vocab], new_cache)` is all decoding knows
 of the model. Every loop runs inside `lax.while_loop`, so a decode function jit-compiles whole.
-Beam search works on flattened [batch * beam] rows: callers expand their per-example inputs
-(e.g. encoder outputs) with `flat_batch_beam_expand`; the cache is expanded here.
+Beam search and `num_decodes` sampling work on flattened [batch * copies] rows: callers expand
+their per-example inputs (e.g. encoder outputs) with `flat_batch_beam_expand`; the cache is
+expanded here.
+
+Shared options:
+  decoder_prompt: int [batch, P] tokens forced at the first output positions of each row (the
+    row's prompt ends at its first 0). Forced tokens are part of the output and count in its
+    length, but not in its log-probability, and a forced EOS does not end the output.
+    Encoder-decoder callers force a target prefix; decoder-only callers can force any prompt
+    the cache does not already hold.
+  logits_processor: `(logits [n, vocab] float32, step, sequences [n, max_decode_len]) ->
+    logits`, applied to the model's logits before anything else sees them; `step` (a traced
+    int32 scalar) is the output position being chosen, `sequences` the output so far (zeros
+    from `step` on). Log-probabilities and scores are those of the processed logits. See
+    `min_length_processor`, `banned_ids_processor`, `repetition_penalty_processor` and
+    `make_logits_processor`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 TokensToLogits = Callable[[Array, Any], tuple[Array, Any]]
+LogitsProcessor = Callable[[Array, Array, Array], Array]
 NEG_INF = -1.0e7  # finite, so that sums and comparisons of dead beams stay well defined
+
+
+def _check(name: str, value: Any, ok: Callable[[np.ndarray], Any], requirement: str) -> None:
+  """ValueError unless `value` passes `ok`; traced values (known only inside jit) pass."""
+  if isinstance(value, jax.core.Tracer):
+    return
+  if not np.all(ok(np.asarray(value))):
+    raise ValueError(f"{name}={value} must be {requirement}")
+
+
+def _forced_tokens(decoder_prompt: Array | None, copies: int,
+                   max_decode_len: int) -> Array | None:
+  """[batch, P] prompt -> int32 [batch * copies, max_decode_len]: the token forced at each
+  output position, 0 where none is."""
+  if decoder_prompt is None:
+    return None
+  prompt = jnp.asarray(decoder_prompt, jnp.int32)
+  if prompt.ndim != 2 or prompt.shape[1] > max_decode_len:
+    raise ValueError(f"decoder_prompt must be [batch, P] with P <= max_decode_len="
+                     f"{max_decode_len}; it is {prompt.shape}.")
+  prompt = prompt * jnp.cumprod(prompt != 0, axis=1)  # a row's prompt ends at its first 0
+  prompt = jnp.pad(prompt, ((0, 0), (0, max_decode_len - prompt.shape[1])))
+  return flat_batch_beam_expand(prompt, copies)
+
+
+# ---- Logits processors ---------------------------------------------------------------------
+
+def min_length_processor(min_length: int | Array, eos_id: int) -> LogitsProcessor:
+  """Bans EOS at output positions below `min_length`: at least that many tokens come first."""
+  _check("min_length", min_length, lambda v: v >= 0, ">= 0")
+
+  def process(logits, step, sequences):
+    del sequences
+    is_eos = jnp.arange(logits.shape[-1]) == eos_id  # [vocab]
+    return jnp.where(is_eos & (step < min_length), NEG_INF, logits)
+  return process
+
+
+def banned_ids_processor(banned_ids: Sequence[int]) -> LogitsProcessor:
+  """Never generates the tokens `banned_ids` (ids past the vocabulary are ignored)."""
+  ids = np.asarray(banned_ids, np.int32).reshape(-1)
+  _check("banned_ids", ids, lambda v: v >= 0, ">= 0")
+
+  def process(logits, step, sequences):
+    del step, sequences
+    return logits.at[:, ids].set(NEG_INF)
+  return process
+
+
+def repetition_penalty_processor(penalty: float | Array) -> LogitsProcessor:
+  """CTRL's repetition penalty (Keskar et al., 2019): each token already in the output has its
+  logit divided by `penalty` when positive, multiplied by it when negative (1 = off; > 1
+  discourages repeats). Id 0 (padding) is never penalised."""
+  _check("repetition_penalty", penalty, lambda v: v > 0, "> 0")
+
+  def process(logits, step, sequences):
+    del step
+    rows = jnp.arange(logits.shape[0])[:, None]  # [n, 1]
+    seen = jnp.zeros(logits.shape, bool).at[rows, sequences].set(True)  # [n, vocab]
+    seen = seen.at[:, 0].set(False)  # sequences hold 0 from `step` on
+    penalised = jnp.where(logits > 0, logits / penalty, logits * penalty)
+    return jnp.where(seen, penalised, logits)
+  return process
+
+
+def chain_processors(*processors: LogitsProcessor | None) -> LogitsProcessor | None:
+  """One processor applying `processors` in order (None ones skipped; None if none is left)."""
+  processors = [p for p in processors if p is not None]
+  if not processors:
+    return None
+
+  def process(logits, step, sequences):
+    for p in processors:
+      logits = p(logits, step, sequences)
+    return logits
+  return process
+
+
+def make_logits_processor(*, eos_id: int, min_length: int = 0, banned_ids: Sequence[int] = (),
+                          repetition_penalty: float = 1.0) -> LogitsProcessor | None:
+  """The processor for the `decoding` config's min_length / banned_ids / repetition_penalty
+  (None when all are off)."""
+  return chain_processors(
+      min_length_processor(min_length, eos_id) if min_length else None,
+      banned_ids_processor(banned_ids) if len(banned_ids) else None,
+      repetition_penalty_processor(repetition_penalty) if repetition_penalty != 1.0 else None)
 
 
 # ---- Greedy and sampling -------------------------------------------------------------------
 
 def _decode_loop(cache: Any, tokens_to_logits: TokensToLogits,
-                 choose: Callable[[Array, Array], Array], *, batch_size: int, bos_id: int,
-                 eos_id: int, max_decode_len: int, return_logprobs: bool = False):
+                 choose: Callable[[Array, Array], Array], *, rows: int, bos_id: int,
+                 eos_id: int, max_decode_len: int, forced: Array | None,
+                 logits_processor: LogitsProcessor | None) -> tuple[Array, Array]:
   """Feeds each chosen token back until every row has produced EOS or max_decode_len tokens.
 
   Returns:
-    int32 [batch, max_decode_len] tokens, EOS included, zeros after it; with
-    `return_logprobs` also float32 [batch]: each row's log-probability under the model (the
-    unfiltered softmax at temperature 1), EOS included.
+    int32 [rows, max_decode_len] tokens, EOS included, zeros after it, and float32 [rows]: each
+    row's log-probability (the processed logits' softmax at temperature 1, unfiltered) of its
+    chosen tokens, EOS included, forced ones not.
   """
 
   def cond(state):
@@ -37,38 +140,62 @@ def _decode_loop(cache: Any, tokens_to_logits: TokensToLogits,
 
   def body(state):
     step, last, sequences, finished, logprobs, cache = state
-    logits, cache = tokens_to_logits(last, cache)  # [batch, vocab]
+    logits, cache = tokens_to_logits(last, cache)  # [rows, vocab]
     logits = logits.astype(jnp.float32)
-    token = jnp.where(finished, 0, choose(logits, step))  # [batch]
+    if logits_processor is not None:
+      logits = logits_processor(logits, step, sequences)
+    token = choose(logits, step)  # [rows]
+    is_forced = jnp.zeros_like(finished)
+    if forced is not None:
+      forced_token = jax.lax.dynamic_index_in_dim(forced, step, axis=1, keepdims=False)
+      is_forced = forced_token != 0
+      token = jnp.where(is_forced, forced_token, token)
+    token = jnp.where(finished, 0, token)
     token_logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=-1)
-    logprobs = logprobs + jnp.where(finished, 0.0, token_logprob[:, 0])
+    logprobs = logprobs + jnp.where(finished | is_forced, 0.0, token_logprob[:, 0])
     sequences = jax.lax.dynamic_update_slice(sequences, token[:, None], (0, step))
-    return step + 1, token[:, None], sequences, finished | (token == eos_id), logprobs, cache
+    finished = finished | ((token == eos_id) & ~is_forced)
+    return step + 1, token[:, None], sequences, finished, logprobs, cache
 
-  state = (jnp.array(0), jnp.full((batch_size, 1), bos_id, jnp.int32),
-           jnp.zeros((batch_size, max_decode_len), jnp.int32),
-           jnp.zeros((batch_size,), jnp.bool_), jnp.zeros((batch_size,), jnp.float32), cache)
+  state = (jnp.array(0), jnp.full((rows, 1), bos_id, jnp.int32),
+           jnp.zeros((rows, max_decode_len), jnp.int32), jnp.zeros((rows,), jnp.bool_),
+           jnp.zeros((rows,), jnp.float32), cache)
   _, _, sequences, _, logprobs, _ = jax.lax.while_loop(cond, body, state)
-  return (sequences, logprobs) if return_logprobs else sequences
+  return sequences, logprobs
 
 
 def greedy_search(cache: Any, tokens_to_logits: TokensToLogits, *, batch_size: int,
-                  bos_id: int, eos_id: int, max_decode_len: int, return_logprobs: bool = False):
+                  bos_id: int, eos_id: int, max_decode_len: int, return_logprobs: bool = False,
+                  decoder_prompt: Array | None = None,
+                  logits_processor: LogitsProcessor | None = None):
   """Most likely token at every step. Returns [batch, max_decode_len] tokens (and their
-  log-probabilities [batch] with `return_logprobs`)."""
+  log-probabilities [batch] with `return_logprobs`). Options: see the module docstring."""
+  _check("max_decode_len", max_decode_len, lambda v: v >= 1, ">= 1")
   choose = lambda logits, step: jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  return _decode_loop(cache, tokens_to_logits, choose, batch_size=batch_size, bos_id=bos_id,
-                      eos_id=eos_id, max_decode_len=max_decode_len,
-                      return_logprobs=return_logprobs)
+  tokens, logprobs = _decode_loop(
+      cache, tokens_to_logits, choose, rows=batch_size, bos_id=bos_id, eos_id=eos_id,
+      max_decode_len=max_decode_len, logits_processor=logits_processor,
+      forced=_forced_tokens(decoder_prompt, 1, max_decode_len))
+  return (tokens, logprobs) if return_logprobs else tokens
 
 
-def filter_logits(logits: Array, top_k: int = 0, top_p: float = 1.0) -> Array:
+def _check_filter(top_k: int, top_p: float | Array) -> None:
+  _check("top_k", top_k, lambda v: v >= 0, ">= 0")
+  _check("top_p", top_p, lambda v: (v > 0) & (v <= 1), "in (0, 1]")
+
+
+def filter_logits(logits: Array, top_k: int = 0, top_p: float | Array = 1.0) -> Array:
   """Keeps the `top_k` most likely tokens (0 = all), then the smallest set whose probability
-  reaches `top_p` (the nucleus); every other logit becomes NEG_INF."""
+  reaches `top_p` in (0, 1] (the nucleus); every other logit becomes NEG_INF.
+
+  `top_k` fixes a shape, so it is a Python int; `top_p` may be traced (a Python 1.0 skips the
+  nucleus sort).
+  """
+  _check_filter(top_k, top_p)
   if top_k > 0:
     kth_best = jax.lax.top_k(logits, top_k)[0][..., -1:]  # [n, 1]
     logits = jnp.where(logits < kth_best, NEG_INF, logits)
-  if top_p < 1.0:
+  if not (isinstance(top_p, (int, float)) and top_p >= 1.0):
     sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]  # descending
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     # A token is in the nucleus if the tokens ranked above it hold less than top_p.
@@ -80,28 +207,66 @@ def filter_logits(logits: Array, top_k: int = 0, top_p: float = 1.0) -> Array:
 
 
 def sample(cache: Any, tokens_to_logits: TokensToLogits, rng: Array, *, batch_size: int,
-           bos_id: int, eos_id: int, max_decode_len: int, temperature: float = 1.0,
-           top_k: int = 0, top_p: float = 1.0, return_logprobs: bool = False):
-  """Samples from softmax(filtered logits / temperature), seeded by `rng`.
+           bos_id: int, eos_id: int, max_decode_len: int, temperature: float | Array = 1.0,
+           top_k: int = 0, top_p: float | Array = 1.0, return_logprobs: bool = False,
+           num_decodes: int | None = None, decoder_prompt: Array | None = None,
+           logits_processor: LogitsProcessor | None = None):
+  """Samples from softmax(filter_logits(logits / temperature)), seeded by `rng`.
 
-  temperature 0 is greedy; top_k=1 is greedy. Returns [batch, max_decode_len] tokens (and
-  their log-probabilities under the model [batch] with `return_logprobs`).
+  `temperature` >= 0 (0 is greedy) and `top_p` in (0, 1] may be traced scalars: one
+  compilation serves every value. top_k=1 is greedy too.
+
+  Args:
+    cache: decoder cache for `batch_size` rows (expanded to batch * num_decodes here).
+    tokens_to_logits: ([rows, 1] ids, cache) -> ([rows, vocab] logits, cache).
+    rng: PRNG key.
+    batch_size: rows of the cache (inputs).
+    bos_id: first decoder input token.
+    eos_id: end-of-sequence id.
+    max_decode_len: output length in tokens, EOS included.
+    temperature, top_k, top_p: see above.
+    return_logprobs: also return each output's log-probability under the (processed) model
+      at temperature 1, unfiltered, forced tokens excluded.
+    num_decodes: None: one sample per row, [batch, max_decode_len]. An int: that many samples
+      per row, [batch, num_decodes, max_decode_len], most likely first (callers expand their
+      per-example inputs with `flat_batch_beam_expand(x, num_decodes)`).
+    decoder_prompt, logits_processor: see the module docstring.
+
+  Returns:
+    int32 tokens (zeros after EOS), and with `return_logprobs` float32 log-probabilities of
+    the leading shape.
   """
-  common = dict(batch_size=batch_size, bos_id=bos_id, eos_id=eos_id,
-                max_decode_len=max_decode_len, return_logprobs=return_logprobs)
-  if temperature == 0.0:
-    return greedy_search(cache, tokens_to_logits, **common)
+  _check("temperature", temperature, lambda v: v >= 0, ">= 0")
+  _check("num_decodes", 1 if num_decodes is None else num_decodes, lambda v: v >= 1, ">= 1")
+  _check("max_decode_len", max_decode_len, lambda v: v >= 1, ">= 1")
+  _check_filter(top_k, top_p)
+  copies = num_decodes or 1
+  if num_decodes is not None:
+    cache = expand_cache(cache, num_decodes)
+  temperature = jnp.asarray(temperature, jnp.float32)
+  greedy = temperature == 0
 
   def choose(logits, step):
-    logits = filter_logits(logits / temperature, top_k, top_p)
-    return jax.random.categorical(jax.random.fold_in(rng, step), logits).astype(jnp.int32)
+    scaled = filter_logits(logits / jnp.where(greedy, 1.0, temperature), top_k, top_p)
+    sampled = jax.random.categorical(jax.random.fold_in(rng, step), scaled)
+    return jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
 
-  return _decode_loop(cache, tokens_to_logits, choose, **common)
+  tokens, logprobs = _decode_loop(
+      cache, tokens_to_logits, choose, rows=batch_size * copies, bos_id=bos_id, eos_id=eos_id,
+      max_decode_len=max_decode_len, logits_processor=logits_processor,
+      forced=_forced_tokens(decoder_prompt, copies, max_decode_len))
+  if num_decodes is not None:
+    tokens = tokens.reshape(batch_size, num_decodes, max_decode_len)
+    logprobs = logprobs.reshape(batch_size, num_decodes)
+    order = jnp.argsort(-logprobs, axis=1)  # [batch, num_decodes], most likely first
+    tokens = jnp.take_along_axis(tokens, order[:, :, None], axis=1)
+    logprobs = jnp.take_along_axis(logprobs, order, axis=1)
+  return (tokens, logprobs) if return_logprobs else tokens
 
 
 # ---- Beam search ---------------------------------------------------------------------------
 
-def length_penalty(length: Array, alpha: float) -> Array:
+def length_penalty(length: Array, alpha: float | Array) -> Array:
   """GNMT length penalty ((5 + length) / 6) ** alpha; scores are log-probs divided by it."""
   return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
 
@@ -137,78 +302,116 @@ def _gather_cache(cache: Any, beam_indices: Array, old_beam: int) -> Any:
 
 
 def beam_search(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, *,
-                beam_size: int, alpha: float, eos_id: int, max_decode_len: int | None = None,
-                bos_id: int = 2) -> tuple[Array, Array]:
-  """Beam search with the GNMT length penalty.
+                beam_size: int, alpha: float | Array, eos_id: int,
+                max_decode_len: int | None = None, bos_id: int = 2,
+                decoder_prompt: Array | None = None,
+                logits_processor: LogitsProcessor | None = None) -> tuple[Array, Array]:
+  """Beam search with the GNMT length penalty, keeping live and finished hypotheses apart (as
+  t5x does).
 
-  Each example has `beam_size` slots. Every step, the best extensions of the live beams fill
-  the slots not yet taken by finished hypotheses; one that emits EOS, or reaches
-  `max_decode_len` tokens, is finished with score log-probability / length_penalty(length).
-  So beam size 1 is exactly greedy search, and a beam as wide as the search space is exact.
-  An example stops once no live beam can beat its best finished hypothesis (alpha >= 0).
+  Per example there are up to `beam_size` live hypotheses (no EOS yet) and the `beam_size`
+  best finished ones (ended by EOS), scored log-probability / length_penalty(length, alpha),
+  the length counting EOS. Each step extends every live hypothesis by every token and keeps the
+  2 * beam_size best extensions by log-probability: those ending in EOS compete for the
+  finished slots, the best beam_size others stay live. (With only beam_size, hypotheses that
+  end would take the places of live ones, and a better hypothesis found late could be lost.)
+
+  A hypothesis has at most `max_decode_len` tokens, EOS included; one that reaches it without
+  EOS has not finished. The search stops at that length, or earlier once every example has
+  beam_size finished hypotheses and no live one can still beat the worst of them (log-probs
+  only fall, so the bound is its log-prob over the most favourable length penalty). An example
+  with fewer than beam_size finished hypotheses gets the best live ones (max_decode_len tokens,
+  no EOS, scored the same way) in the slots after its finished ones.
 
   Args:
     inputs: [batch, src_len] source tokens; give the batch size and the default length.
     cache: decoder cache for `batch` rows (expanded to batch * beam here).
     tokens_to_logits: ([batch*beam, 1] ids, flat cache) -> ([batch*beam, vocab] logits, cache).
-    beam_size: slots per example.
-    alpha: length-penalty exponent (0 = plain log-probability; the paper uses 0.6).
+    beam_size: hypotheses kept per example.
+    alpha: length-penalty exponent (0 = plain log-probability; the paper uses 0.6); may be
+      traced.
     eos_id: end-of-sequence id.
-    max_decode_len: longest output in tokens; default source length + 50.
+    max_decode_len: longest output in tokens, EOS included; default source length + 50.
     bos_id: first decoder input token.
+    decoder_prompt, logits_processor: see the module docstring (`sequences` holds the live
+      hypotheses, [batch*beam, max_decode_len]).
 
   Returns:
-    sequences [batch, beam, max_decode_len] (zeros after EOS) and scores [batch, beam], best
-    first; slots never filled score NEG_INF.
+    sequences int32 [batch, beam, max_decode_len] (zeros after EOS) and scores float32
+    [batch, beam]: finished hypotheses best first, then live ones best first; slots never
+    filled are zeros scoring NEG_INF. Log-probs <= NEG_INF / 2 count as impossible.
   """
+  _check("beam_size", beam_size, lambda v: v >= 1, ">= 1")
   batch_size = inputs.shape[0]
   if max_decode_len is None:
     max_decode_len = inputs.shape[1] + 50
-  k = beam_size
+  _check("max_decode_len", max_decode_len, lambda v: v >= 1, ">= 1")
+  k, length = beam_size, max_decode_len
+  forced = _forced_tokens(decoder_prompt, 1, length)  # [batch, length] or None
   # Sequences keep the bos at position 0; the output drops it.
-  live_seqs = jnp.zeros((batch_size, k, max_decode_len + 1), jnp.int32).at[:, :, 0].set(bos_id)
+  live_seqs = jnp.zeros((batch_size, k, length + 1), jnp.int32).at[:, :, 0].set(bos_id)
   # Only the first beam is alive at the start, so the first step does not pick k copies.
   live_logprobs = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (batch_size, 1))
   state = (jnp.array(0), live_seqs, live_logprobs, jnp.zeros_like(live_seqs),
-           jnp.full((batch_size, k), NEG_INF, jnp.float32), jnp.zeros((batch_size,), jnp.int32),
-           expand_cache(cache, k))
+           jnp.full((batch_size, k), NEG_INF, jnp.float32), expand_cache(cache, k))
 
   def cond(state):
-    step, _, live_logprobs, _, finished_scores, _, _ = state
-    # Log-probs only fall and longer outputs get larger penalties, so the best a live beam can
-    # still reach is its log-prob over the penalty of the longest output.
-    best_live = jnp.max(live_logprobs, axis=1)
-    bound = best_live / length_penalty(max_decode_len, alpha)
-    has_live = best_live > NEG_INF / 2
-    can_improve = (bound > finished_scores[:, 0]) if alpha >= 0 else True
-    return (step < max_decode_len) & jnp.any(has_live & can_improve)
+    step, _, live_logprobs, _, finished_scores, _ = state
+    best_live = live_logprobs[:, 0]  # [batch]: live beams are sorted, best first
+    # A live hypothesis ends with a length in (step, max_decode_len] and a lower log-prob.
+    bound = jnp.maximum(best_live / length_penalty(step + 1, alpha),
+                        best_live / length_penalty(length, alpha))
+    worst_finished = finished_scores[:, -1]  # NEG_INF while a slot is free
+    done = ((worst_finished > NEG_INF / 2) & (worst_finished > bound)) | (
+        best_live <= NEG_INF / 2)
+    return (step < length) & ~jnp.all(done)
 
   def body(state):
-    step, live_seqs, live_logprobs, finished_seqs, finished_scores, num_finished, cache = state
-    last = jax.lax.dynamic_slice_in_dim(live_seqs, step, 1, axis=2).reshape(batch_size * k, 1)
-    logits, cache = tokens_to_logits(last, cache)  # [batch*k, vocab]
+    step, live_seqs, live_logprobs, finished_seqs, finished_scores, cache = state
+    last = jax.lax.dynamic_index_in_dim(live_seqs, step, axis=2, keepdims=False)  # [batch, k]
+    logits, cache = tokens_to_logits(last.reshape(batch_size * k, 1), cache)  # [batch*k, V]
+    logits = logits.astype(jnp.float32)
+    if logits_processor is not None:
+      logits = logits_processor(logits, step, live_seqs[:, :, 1:].reshape(batch_size * k, -1))
     vocab = logits.shape[-1]
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32)).reshape(batch_size, k, vocab)
+    log_probs = jax.nn.log_softmax(logits).reshape(batch_size, k, vocab)
+    is_forced = jnp.zeros((batch_size,), jnp.bool_)
+    if forced is not None:  # a forced token costs nothing; every other token is impossible
+      forced_token = jax.lax.dynamic_index_in_dim(forced, step, axis=1, keepdims=False)
+      is_forced = forced_token != 0  # [batch]
+      only_forced = jnp.where(jnp.arange(vocab) == forced_token[:, None], 0.0, NEG_INF)
+      log_probs = jnp.where(is_forced[:, None, None], only_forced[:, None, :], log_probs)
+
     candidates = (live_logprobs[:, :, None] + log_probs).reshape(batch_size, k * vocab)
-    top_logprobs, top_indices = jax.lax.top_k(candidates, k)  # [batch, k], best first
+    top_logprobs, top_indices = jax.lax.top_k(candidates, 2 * k)  # [batch, 2k], best first
     top_beams, top_tokens = top_indices // vocab, (top_indices % vocab).astype(jnp.int32)
-    top_seqs = _gather_beams(live_seqs, top_beams)
+    top_seqs = _gather_beams(live_seqs, top_beams)  # [batch, 2k, length + 1]
     top_seqs = jax.lax.dynamic_update_slice(top_seqs, top_tokens[:, :, None], (0, 0, step + 1))
-    # Only the best (k - finished so far) candidates get a slot; extensions of dead beams none.
-    has_slot = jnp.arange(k)[None, :] < (k - num_finished)[:, None]
-    accepted = has_slot & (top_logprobs > NEG_INF / 2)
-    ends = accepted & ((top_tokens == eos_id) | (step + 1 == max_decode_len))
+    possible = top_logprobs > NEG_INF / 2
+    ends = possible & (top_tokens == eos_id) & ~is_forced[:, None]  # [batch, 2k]
 
+    # Live: the k best that did not end.
+    live_logprobs, keep = jax.lax.top_k(jnp.where(possible & ~ends, top_logprobs, NEG_INF), k)
+    live_seqs = _gather_beams(top_seqs, keep)
+    cache = _gather_cache(cache, _gather_beams(top_beams, keep), k)
+    # Finished: the k best of the old ones and those that ended now.
     new_scores = jnp.where(ends, top_logprobs / length_penalty(step + 1, alpha), NEG_INF)
-    all_scores = jnp.concatenate([finished_scores, new_scores], axis=1)
-    finished_scores, pick = jax.lax.top_k(all_scores, k)  # at most k ever finish: none lost
-    finished_seqs = _gather_beams(jnp.concatenate([finished_seqs, top_seqs], axis=1), pick)
-    num_finished = num_finished + jnp.sum(ends, axis=1)
+    finished_scores, keep = jax.lax.top_k(
+        jnp.concatenate([finished_scores, new_scores], axis=1), k)  # [batch, k] of 3k
+    finished_seqs = _gather_beams(jnp.concatenate([finished_seqs, top_seqs], axis=1), keep)
+    return step + 1, live_seqs, live_logprobs, finished_seqs, finished_scores, cache
 
-    live_logprobs = jnp.where(accepted & ~ends, top_logprobs, NEG_INF)
-    cache = _gather_cache(cache, top_beams, k)
-    return step + 1, top_seqs, live_logprobs, finished_seqs, finished_scores, num_finished, cache
-
-  final = jax.lax.while_loop(cond, body, state)
-  finished_seqs, finished_scores = final[3], final[4]
-  return finished_seqs[:, :, 1:], finished_scores
+  _, live_seqs, live_logprobs, finished_seqs, finished_scores, _ = jax.lax.while_loop(
+      cond, body, state)
+  # Free finished slots take the live hypotheses, best first. (Live ones are left only when
+  # the loop ran to max_decode_len: an early stop needs every slot taken or nothing live.)
+  num_finished = jnp.sum(finished_scores > NEG_INF / 2, axis=1)  # [batch]
+  live_index = jnp.arange(k)[None, :] - num_finished[:, None]  # [batch, k]; < 0: finished
+  take = jnp.clip(live_index, 0, k - 1)
+  live_scores = jnp.where(live_logprobs > NEG_INF / 2,
+                          live_logprobs / length_penalty(length, alpha), NEG_INF)
+  use_live = live_index >= 0
+  sequences = jnp.where(use_live[:, :, None], _gather_beams(live_seqs, take), finished_seqs)
+  scores = jnp.where(use_live, jnp.take_along_axis(live_scores, take, axis=1), finished_scores)
+  sequences = jnp.where(scores[:, :, None] > NEG_INF / 2, sequences, 0)
+  return sequences[:, :, 1:], scores

@@ -143,14 +143,32 @@ def get_config() -> ml_collections.ConfigDict:
   config.num_generate_examples = 500
   # Output generation for BLEU / ROUGE, evaluate and predict.
   config.decoding = ml_collections.ConfigDict(dict(
-      method="beam",  # 'greedy', 'beam' or 'sample'
-      beam_size=4,  # beam search: slots per example
-      alpha=0.6,  # beam search: GNMT length-penalty exponent
-      temperature=1.0,  # sampling: 0 = greedy
-      top_k=0,  # sampling: keep the k most likely tokens; 0 = all
-      top_p=1.0,  # sampling: keep the smallest set holding this probability
-      max_decode_len=0,  # longest output; 0 = source length + 50 (capped at model.max_len)
-      seed=0,  # sampling seed
+      # 'greedy', 'beam' or 'sample'.
+      method="beam",
+      # Beam search: hypotheses kept per example.
+      beam_size=4,
+      # Beam search: GNMT length-penalty exponent (0 = plain log-probability).
+      alpha=0.6,
+      # Sampling: softmax temperature, >= 0; 0 = greedy.
+      temperature=1.0,
+      # Sampling: keep the k most likely tokens; 0 = all.
+      top_k=0,
+      # Sampling: keep the smallest set holding this probability, in (0, 1].
+      top_p=1.0,
+      # Sampling: samples drawn per input; the most likely come first (best-of-n).
+      num_decodes=1,
+      # Longest output in tokens, EOS included; 0 = source length + 50 (capped at
+      # model.max_len).
+      max_decode_len=0,
+      # Every method: no EOS before this many output tokens; 0 = off.
+      min_length=0,
+      # Every method: token ids never generated, e.g. (3, 7); () = none.
+      banned_ids=(),
+      # Every method: CTRL repetition penalty on tokens already in the output, > 0; 1 = off,
+      # above 1 discourages repeats.
+      repetition_penalty=1.0,
+      # Sampling seed.
+      seed=0,
   ))
   # Save a checkpoint every this many steps, and at the end.
   config.checkpoint_every_steps = 250

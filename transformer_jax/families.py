@@ -186,8 +186,7 @@ class _SequenceFamily(Family):
 
   def decode(self, params, inputs, rng, *, decoding_config, nbest=1):
     max_len = self.max_decode_len(decoding_config, inputs.shape[1])
-    rows = inputs.shape[0] * (decoding_config.beam_size if decoding_config.method == "beam"
-                              else nbest)
+    rows = inputs.shape[0] * generate.copies(decoding_config, nbest)
     cache, tokens_to_logits, start_id = self.start_decoding(params, inputs, rows, max_len)
     return generate.search(cache, tokens_to_logits, rng, start_id=start_id,
                            batch_size=inputs.shape[0], decoding_config=decoding_config,

@@ -50,6 +50,17 @@ def check_nbest(decoding_config: ml_collections.ConfigDict, nbest: int) -> None:
                      "'beam' (beam_size >= nbest) or 'sample'.")
 
 
+def copies(decoding_config: ml_collections.ConfigDict, nbest: int = 1) -> int:
+  """Rows per input that the decoding callback sees: the beams, the samples drawn (at least
+  `nbest`, `decoding.num_decodes` for best-of-n), or 1 for greedy search."""
+  d = decoding_config
+  if d.method == "beam":
+    return d.beam_size
+  if d.method == "sample":
+    return max(nbest, d.num_decodes)
+  return nbest
+
+
 def search(cache: Any, tokens_to_logits: decoding.TokensToLogits, rng: Array, *,
            start_id: int, batch_size: int, decoding_config: ml_collections.ConfigDict,
            max_len: int, nbest: int = 1) -> tuple[Array, Array]:
@@ -57,30 +68,30 @@ def search(cache: Any, tokens_to_logits: decoding.TokensToLogits, rng: Array, *,
   first. Scores are what the search ranks by: the length-penalised log-probability for beam
   search, the log-probability for greedy and sampled outputs.
 
-  `tokens_to_logits` sees [b * beam_size] rows for beam search, [b * nbest] otherwise; `cache`
-  is per example (beam search and nbest > 1 expand it here).
+  `cache` is per example (the searches expand it); `tokens_to_logits` sees
+  `copies(decoding_config, nbest)` rows per example. Min length, banned ids and the
+  repetition penalty of `decoding_config` apply to every method.
   """
   d = decoding_config
-  common = dict(eos_id=tokenizer_lib.EOS_ID, max_decode_len=max_len, bos_id=start_id)
+  common = dict(eos_id=tokenizer_lib.EOS_ID, max_decode_len=max_len, bos_id=start_id,
+                logits_processor=decoding.make_logits_processor(
+                    eos_id=tokenizer_lib.EOS_ID, min_length=d.min_length,
+                    banned_ids=tuple(d.banned_ids), repetition_penalty=d.repetition_penalty))
   if d.method == "beam":
     dummy_inputs = jnp.zeros((batch_size, 1), jnp.int32)  # beam_search reads only its shape
     sequences, scores = decoding.beam_search(dummy_inputs, cache, tokens_to_logits,
                                              beam_size=d.beam_size, alpha=d.alpha, **common)
     return sequences[:, :nbest], scores[:, :nbest]
-  rows = batch_size * nbest
-  if nbest > 1:  # independent samples of each input, ranked by log-probability
-    cache = decoding.expand_cache(cache, nbest)
   if d.method == "greedy":
-    tokens, scores = decoding.greedy_search(cache, tokens_to_logits, batch_size=rows,
+    tokens, scores = decoding.greedy_search(cache, tokens_to_logits, batch_size=batch_size,
                                             return_logprobs=True, **common)
-  else:
-    tokens, scores = decoding.sample(cache, tokens_to_logits, rng, batch_size=rows,
-                                     temperature=d.temperature, top_k=d.top_k, top_p=d.top_p,
-                                     return_logprobs=True, **common)
-  tokens, scores = tokens.reshape(batch_size, nbest, -1), scores.reshape(batch_size, nbest)
-  order = jnp.argsort(-scores, axis=1)
-  return (jnp.take_along_axis(tokens, order[:, :, None], axis=1),
-          jnp.take_along_axis(scores, order, axis=1))
+    return tokens[:, None], scores[:, None]
+  # Independent samples of each input, the most likely first (best-of-n).
+  tokens, scores = decoding.sample(cache, tokens_to_logits, rng, batch_size=batch_size,
+                                   temperature=d.temperature, top_k=d.top_k, top_p=d.top_p,
+                                   num_decodes=copies(d, nbest), return_logprobs=True,
+                                   **common)
+  return tokens[:, :nbest], scores[:, :nbest]
 
 
 def decode_fn(family, decoding_config: ml_collections.ConfigDict, layout=None, nbest: int = 1):
