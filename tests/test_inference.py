@@ -204,3 +204,20 @@ def test_predictor_keeps_its_own_copy_of_the_parameters(workdir):
     for leaf in jax.tree.leaves(params):
       leaf.delete()
     assert predictor.predict(["The dog sees the cat."]) == expected
+
+
+def test_decoding_options_reach_the_search(workdir):
+  """min_length, banned_ids and num_decodes set in config.decoding change what evaluate and
+  predict generate."""
+  predictor = predict.Predictor.from_workdir(workdir)
+  prompts = list(predictor._prompts(["The dog sees the cat."]).values())
+  run = lambda nbest=1, **overrides: predictor.output_ids(
+      prompts, nbest, predictor.decoding_config(**overrides), with_scores=True)[0]
+  greedy = run(method="greedy")[0][0].tolist()
+  eos = greedy.index(1)
+  banned = run(method="greedy", banned_ids=(greedy[0],))[0][0].tolist()
+  assert greedy[0] not in banned
+  longer = run(method="greedy", min_length=eos + 3)[0][0].tolist()
+  assert 1 not in longer[:eos + 2]
+  samples = run(2, method="sample", num_decodes=4)
+  assert len(samples) == 2 and samples[0][1] >= samples[1][1]

@@ -19,6 +19,23 @@ Array = jax.Array
 _MASKED_SCORE = jnp.finfo(jnp.float32).min
 
 
+class _Partitioned(nn.LogicallyPartitioned):
+  """`nn.LogicallyPartitioned` for DenseGeneral's multi-axis kernels and biases.
+
+  DenseGeneral initialises them flattened to 2-D (1-D) and reshapes afterwards; flax would
+  apply the full-rank logical names to the flat array as a sharding constraint (an error under
+  a mesh), so the constraint waits until the value has the names' rank.
+  """
+
+  def unbox(self, apply_constraint: bool = True) -> Any:
+    return super().unbox(apply_constraint and jnp.ndim(self.value) == len(self.names))
+
+
+def _partitioned(init: Callable, names: tuple[str | None, ...]) -> Callable:
+  """`init` whose result is boxed with logical axis names (see _Partitioned)."""
+  return lambda *args, **kwargs: _Partitioned(init(*args, **kwargs), names)
+
+
 def causal_mask(length: int) -> Array:
   """[length, length] lower-triangular mask: position i may attend to positions <= i."""
   return nn.make_causal_mask(jnp.zeros((length,)), dtype=jnp.bool_)[0]
@@ -151,10 +168,8 @@ class MultiHeadAttention(nn.Module):
     # Logical axis names of the parameters, mapped to mesh axes by the jit layout's rules.
     projection = lambda parts, name: nn.DenseGeneral(
         (parts, self.num_heads, head_dim), dtype=self.dtype,
-        kernel_init=nn.with_logical_partitioning(self.kernel_init,
-                                                 ("embed", None, "heads", "kv")),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(),
-                                               (None, "heads", "kv")), name=name)
+        kernel_init=_partitioned(self.kernel_init, ("embed", None, "heads", "kv")),
+        bias_init=_partitioned(nn.initializers.zeros_init(), (None, "heads", "kv")), name=name)
     # Fused projections: one matmul for Q, K and V in self-attention (for K and V in
     # cross-attention) instead of three (two); measured in the README's performance section.
     if inputs_q is inputs_kv:
@@ -191,8 +206,8 @@ class MultiHeadAttention(nn.Module):
         self.sow("intermediates", "attention_weights", weights)
     return nn.DenseGeneral(
         inputs_q.shape[-1], axis=(-2, -1), dtype=self.dtype,
-        kernel_init=nn.with_logical_partitioning(self.kernel_init, ("heads", "kv", "embed")),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
+        kernel_init=_partitioned(self.kernel_init, ("heads", "kv", "embed")),
+        bias_init=_partitioned(nn.initializers.zeros_init(), ("embed",)),
         name="out")(out)  # [b, q, emb]
 
   def _scores(self, query: Array, key: Array, head_dim: int) -> Array:
