@@ -12,13 +12,13 @@ import os
 import re
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
+from transformer_jax import parallel
 from transformer_jax import workdir as workdir_lib
 
 DAMAGED_DIR = "checkpoints_damaged"
@@ -258,7 +258,7 @@ def restore_params(workdir: str, init_params, step: int | None = None, average_l
   Returns (params, step).
   """
   abstract = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0)))
-  abstract = nn.meta.unbox(abstract) if layout is None else layout.abstract_params(abstract)
+  abstract = parallel.unbox(abstract) if layout is None else layout.abstract_params(abstract)
   checkpoints = manager(workdir, read_only=True)
   params, _, step = restore(checkpoints, abstract, step=step)
   if average_last <= 1:

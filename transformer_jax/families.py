@@ -18,7 +18,6 @@ import abc
 import dataclasses
 from typing import Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -28,6 +27,7 @@ from transformer_jax import decoding
 from transformer_jax import default_config
 from transformer_jax import generate
 from transformer_jax import models
+from transformer_jax import parallel
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax.data import pipeline
 
@@ -109,7 +109,7 @@ class Family(abc.ABC):
     """
     ones = jnp.ones((1, 1), jnp.int32)
     params = self.model.init(rng, *[ones] * self.num_model_inputs, deterministic=True)["params"]
-    return params if boxed else nn.meta.unbox(params)
+    return params if boxed else parallel.unbox(params)
 
   @abc.abstractmethod
   def forward(self, params, batch: dict, *, deterministic: bool, rngs=None) -> Array:

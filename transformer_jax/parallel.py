@@ -49,6 +49,14 @@ def psum(tree: Any, axis_name: str | None) -> Any:
   return tree if axis_name is None else jax.lax.psum(tree, axis_name)
 
 
+def unbox(tree: Any) -> Any:
+  """`tree` with every logical-partitioning box replaced by its value. Unlike
+  `nn.meta.unbox` this adds no sharding constraint, so it works on abstract and host trees
+  under any mesh; shardings are given explicitly where arrays are placed."""
+  return jax.tree.map(lambda x: x.value if isinstance(x, nn.meta.AxisMetadata) else x, tree,
+                      is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+
+
 def as_rules(rules) -> tuple:
   """Logical axis rules as tuples (a saved config holds them as JSON lists)."""
   return tuple((name, tuple(axes) if isinstance(axes, (list, tuple)) else axes)
@@ -86,12 +94,12 @@ class DataParallel:
     return self.place_state(params)
 
   def abstract_params(self, boxed_abstract: Any) -> Any:
-    return nn.meta.unbox(boxed_abstract)  # restored on the default device, then replicated
+    return unbox(boxed_abstract)  # restored on the default device, then replicated
 
   def create_state(self, create: Callable[[], Any]) -> Any:
     """`create()` (boxed parameters) run on the default device; `place_state` replicates it
     (after any restore)."""
-    return jax.jit(lambda: nn.meta.unbox(create()))()
+    return jax.jit(lambda: unbox(create()))()
 
   def train_batch(self, batch: Any) -> Any:
     return shard(batch)
@@ -156,7 +164,7 @@ class MeshParallel:
   def shardings(self, boxed_tree: Any) -> Any:
     """Shardings of the unboxed `boxed_tree`: parameters (and their optimizer moments) by the
     logical axis names they were created with, everything else replicated."""
-    return jax.tree.map(self._sharding, nn.meta.unbox(boxed_tree),
+    return jax.tree.map(self._sharding, unbox(boxed_tree),
                         nn.get_partition_spec(boxed_tree))
 
   def place_state(self, tree: Any) -> Any:
@@ -171,14 +179,18 @@ class MeshParallel:
   def abstract_params(self, boxed_abstract: Any) -> Any:
     """Restore targets that carry their shardings: each device reads only its part."""
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        nn.meta.unbox(boxed_abstract), self.shardings(boxed_abstract))
+                        unbox(boxed_abstract), self.shardings(boxed_abstract))
 
   def create_state(self, create: Callable[[], Any]) -> Any:
     """`create()` (boxed parameters) run directly into its shardings: no device ever holds
     the whole state."""
+    abstract = jax.eval_shape(create)
+    # Leaves in, leaves out: each create() builds its own optimizer object (static metadata of
+    # the state), which would not match the shardings' tree.
+    shardings = jax.tree.leaves(self.shardings(abstract))
     with self.tracing():
-      shardings = self.shardings(jax.eval_shape(create))
-      return jax.jit(lambda: nn.meta.unbox(create()), out_shardings=shardings)()
+      leaves = jax.jit(lambda: jax.tree.leaves(unbox(create())), out_shardings=shardings)()
+    return jax.tree.unflatten(jax.tree.structure(unbox(abstract)), leaves)
 
   def train_batch(self, batch: Any) -> Any:
     """This process's rows of the global batch -> global arrays split over data x fsdp."""
