@@ -168,8 +168,10 @@ class MeshParallel:
                         nn.get_partition_spec(boxed_tree))
 
   def place_state(self, tree: Any) -> Any:
-    """Leaves each array where it is (created or restored into its sharding already)."""
-    return tree
+    """Arrays stay where they are (created or restored into their shardings already); host
+    values, such as a restored step number, are replicated."""
+    return jax.tree.map(
+        lambda x: x if isinstance(x, jax.Array) else jax.device_put(x, self.replicated), tree)
 
   def place_params(self, params: Any, boxed_abstract: Any) -> Any:
     """A copy of `params` in the shardings their logical axes give (`boxed_abstract`: the
