@@ -60,8 +60,7 @@ def test_train_and_eval_runs_share_tags_and_log_the_config(stopped):
   saved = json.loads(config_text.tensor_proto.string_val[0].decode())
   assert saved["checkpoint_best_metric"] == "bleu" and saved["model"]["emb_dim"] == 32
   assert "samples" in eval_run.Tags()["tensors"]
-  hparams = os.path.join(workdir, "train")
-  assert "_hparams_/session_start_info" in _events(hparams, "").Tags()["tensors"]
+  assert "_hparams_/session_start_info" in train_run.Tags()["tensors"]
 
 
 def test_early_stopping_saves_and_keeps_the_best(stopped):
