@@ -36,6 +36,7 @@ def stopped(tmp_path_factory, data_cache):
   config.decoding.max_decode_len = 1
   config.checkpoint_best_metric = "bleu"
   config.early_stopping_evals = 2
+  config.profile_steps = [12, 10]  # cut short by the early stop at step 15
   workdir = str(tmp_path_factory.mktemp("stopped"))
   return workdir, train.train_and_evaluate(config, workdir)
 
@@ -63,8 +64,14 @@ def test_train_and_eval_runs_share_tags_and_log_the_config(stopped):
   assert "_hparams_/session_start_info" in train_run.Tags()["tensors"]
 
 
+def _traces(workdir):
+  return [name for _, _, names in os.walk(os.path.join(workdir, "profile")) for name in names
+          if name.endswith(".xplane.pb")]
+
+
 def test_early_stopping_saves_and_keeps_the_best(stopped):
   workdir, result = stopped
+  assert len(_traces(workdir)) == 1  # the profile running at the stop was written
   # Evaluations at 5 (first: the best), 10 and 15 (no better BLEU): stopped at 15.
   assert result["stopped_early"] and result["best"] == dict(metric="bleu", value=0.0, step=5)
   assert checkpoints.manager(workdir, read_only=True).all_steps() == [15]
@@ -113,6 +120,4 @@ def test_profile_steps_writes_a_trace(tmp_path, tiny_config):
   tiny_config.num_generate_examples = 0
   tiny_config.profile_steps = [2, 2]
   train.train_and_evaluate(tiny_config, str(tmp_path))
-  traces = [name for _, _, names in os.walk(tmp_path / "profile") for name in names
-            if name.endswith(".xplane.pb")]
-  assert traces
+  assert len(_traces(str(tmp_path))) == 1

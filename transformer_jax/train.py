@@ -480,6 +480,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
         sums, last_log_time, last_log_step, sums_steps = None, time.time(), done, 0
       pause_start = time.time()
       if watcher.should_stop(done):
+        if profiling:  # stopped inside the traced steps: keep what was traced
+          jax.profiler.stop_trace()
         save(done)
         checkpoints.wait_for_saves(manager)
         logging.info("Stopped at step %d after saving its checkpoint.", done)
@@ -498,6 +500,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
         break
       last_log_time += time.time() - pause_start  # steps/s and tokens/s count training only
 
+  if profiling:  # stopped early inside the traced steps: keep what was traced
+    jax.profiler.stop_trace()
   if start_step >= config.num_train_steps:
     logging.info("Already trained to step %d.", start_step)
     result = run_eval(start_step)
