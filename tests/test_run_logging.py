@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 
 import jax
 import numpy as np
@@ -36,7 +37,7 @@ def stopped(tmp_path_factory, data_cache):
   config.decoding.max_decode_len = 1
   config.checkpoint_best_metric = "bleu"
   config.early_stopping_evals = 2
-  config.profile_steps = [12, 10]  # cut short by the early stop at step 15
+  config.profile_steps = (12, 10)  # cut short by the early stop at step 15
   workdir = str(tmp_path_factory.mktemp("stopped"))
   return workdir, train.train_and_evaluate(config, workdir)
 
@@ -107,17 +108,17 @@ def test_best_checkpoint_missing_says_what_to_do(tmp_path, tiny_config):
     (dict(checkpoint_best_metric="loss"), "set config.checkpoint_best_mode='min'"),
     (dict(checkpoint_best_mode="best"), "checkpoint_best_mode='best' is not one of max, min"),
     (dict(early_stopping_evals=3), "early_stopping_evals needs config.checkpoint_best_metric"),
-    (dict(profile_steps=[5]), "profile_steps=[5] must be [first step >= 0"),
+    (dict(profile_steps=(5,)), "profile_steps=(5,) must be (first step >= 0"),
 ])
 def test_config_refuses_unworkable_best_and_profile_settings(tiny_config, overrides, message):
   tiny_config.update(overrides)
-  with pytest.raises(config_validation.ConfigError, match=message.replace("[", r"\[")):
+  with pytest.raises(config_validation.ConfigError, match=re.escape(message)):
     config_validation.validate(tiny_config)
 
 
 def test_profile_steps_writes_a_trace(tmp_path, tiny_config):
   tiny_config.num_train_steps = 4
   tiny_config.num_generate_examples = 0
-  tiny_config.profile_steps = [2, 2]
+  tiny_config.profile_steps = (2, 2)
   train.train_and_evaluate(tiny_config, str(tmp_path))
   assert len(_traces(str(tmp_path))) == 1

@@ -184,8 +184,8 @@ def _checkpointing_problems(config: ml_collections.ConfigDict) -> list[str]:
   if profile and not (isinstance(profile, (list, tuple)) and len(profile) == 2 and all(
       isinstance(v, int) and not isinstance(v, bool) for v in profile) and profile[0] >= 0
                       and profile[1] >= 1):
-    found.append(f"config.profile_steps={profile!r} must be [first step >= 0, number of steps "
-                 ">= 1], or [] for no profile")
+    found.append(f"config.profile_steps={tuple(profile)!r} must be (first step >= 0, number "
+                 "of steps >= 1), or () for no profile")
   return found
 
 

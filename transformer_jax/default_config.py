@@ -166,8 +166,8 @@ def get_config() -> ml_collections.ConfigDict:
   # checkpoint_best_metric (saving a final checkpoint); 0 = never stop early.
   config.early_stopping_evals = 0
   # Trace these training steps with jax.profiler into WORKDIR/profile (view it in
-  # TensorBoard's Profile tab or Perfetto): [first step, number of steps]; [] = off.
-  config.profile_steps = []
+  # TensorBoard's Profile tab or Perfetto): (first step, number of steps); () = off.
+  config.profile_steps = ()
 
   # ---- Model ------------------------------------------------------------------------------
   # Every field of transformer_jax.models.TransformerConfig, with its default there (the one
