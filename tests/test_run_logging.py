@@ -122,3 +122,18 @@ def test_profile_steps_writes_a_trace(tmp_path, tiny_config):
   tiny_config.profile_steps = (2, 2)
   train.train_and_evaluate(tiny_config, str(tmp_path))
   assert len(_traces(str(tmp_path))) == 1
+
+
+def test_console_has_one_line_per_log_step_save_lines_and_a_summary(tmp_path, tiny_config,
+                                                                     caplog):
+  tiny_config.num_train_steps = 10
+  tiny_config.num_generate_examples = 0
+  caplog.set_level("INFO")
+  train.train_and_evaluate(tiny_config, str(tmp_path))
+  lines = [r.getMessage() for r in caplog.records]
+  progress = [line for line in lines if line.startswith("step ") and "/10: loss" in line]
+  assert [line.split(":")[0] for line in progress] == ["step 5/10", "step 10/10"]
+  assert all("steps/s" in line and "ETA" in line for line in progress)
+  assert sum(line.startswith("Saved checkpoint 10 (") for line in lines) == 1
+  summary = [line for line in lines if line.startswith("Finished at step 10 in ")]
+  assert len(summary) == 1 and f"Checkpoints: {tmp_path}/checkpoints" in summary[0]
