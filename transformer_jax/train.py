@@ -235,17 +235,6 @@ def _check_finite(host_sums: dict, step: int, manager) -> None:
       "config.grad_clip_norm, then re-run the same command to resume from it.")
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-  """{'model.emb_dim': 512, ...}: the config as TensorBoard hparams."""
-  flat = {}
-  for key, value in tree.items():
-    if isinstance(value, dict) and value:
-      flat.update(_flat(value, f"{prefix}{key}."))
-    else:
-      flat[f"{prefix}{key}"] = value
-  return flat
-
-
 def _step_flops_and_peak(config: ml_collections.ConfigDict, family: families.Family,
                          global_batch_size: int) -> tuple[float | None, float, str]:
   """(model FLOPs of one training step or None when flops.py has no formula for this
@@ -369,7 +358,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   train_writer.write_texts(0, {"config": config_text, "mfu_peak": (
       f"MFU is model FLOPs (flops.py, padded lengths) / ({peak_tflops:.1f} TFLOP/s x "
       f"{jax.device_count()} devices); peak from {peak_source}.")})
-  train_writer.write_hparams(_flat(config.to_dict()))
+  train_writer.write_hparams(saved_config.flat(config.to_dict()))
   train_writer.flush()
   logging.info("MFU against %.1f TFLOP/s per device (%s).", peak_tflops, peak_source)
 
@@ -484,6 +473,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
           jax.profiler.stop_trace()
         save(done)
         checkpoints.wait_for_saves(manager)
+        if best_manager:
+          checkpoints.wait_for_saves(best_manager)
         logging.info("Stopped at step %d after saving its checkpoint.", done)
         return dict(result, preempted=True, step=done, checkpoint_dir=str(manager.directory))
       if done % config.eval_every_steps == 0 or done == config.num_train_steps:
