@@ -43,18 +43,20 @@ def test_train_kill_resume_evaluate_predict_on_a_bucket(gcs_emulator, bucket, da
   assert "run/RUN_LOCK" not in bucket.names("run/")  # released at the end
 
   # TensorBoard events in the bucket: scalars at log steps, eval metrics and samples.
-  events = [n for n in bucket.names("run/events.out.tfevents")]
-  assert events
-  local = tmp_path / "events"
-  local.mkdir()
-  for name in events:
-    (local / name.split("/")[-1]).write_bytes(bucket.read(name))
-  accumulator = event_accumulator.EventAccumulator(str(local))
-  accumulator.Reload()
-  tags = accumulator.Tags()
-  assert {"train_loss", "eval_loss", "eval_bleu"} <= set(tags["scalars"])
-  assert [e.step for e in accumulator.Scalars("eval_loss")][-1] == 20
-  assert "eval_samples" in tags["tensors"]
+  runs = {}
+  for run in ("train", "eval"):
+    events = [n for n in bucket.names(f"run/{run}/events.out.tfevents")]
+    assert events
+    local = tmp_path / "events" / run
+    local.mkdir(parents=True)
+    for name in events:
+      (local / name.split("/")[-1]).write_bytes(bucket.read(name))
+    runs[run] = event_accumulator.EventAccumulator(str(local))
+    runs[run].Reload()
+  assert "loss" in runs["train"].Tags()["scalars"]
+  assert {"loss", "bleu"} <= set(runs["eval"].Tags()["scalars"])
+  assert [e.step for e in runs["eval"].Scalars("loss")][-1] == 20
+  assert "samples" in runs["eval"].Tags()["tensors"]
 
   evaluated = cli.run(workdir, "--mode", "evaluate", environ=environ)
   assert evaluated.returncode == 0, evaluated.stderr[-3000:]

@@ -30,7 +30,8 @@ def test_train_and_evaluate_writes_everything(trained):
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["10", "20"]
   assert os.path.exists(os.path.join(workdir, "tokenizer.model"))
   assert workdir_lib.load_config(workdir).model.emb_dim == config.model.emb_dim
-  assert any(f.startswith("events.out.tfevents") for f in os.listdir(workdir))
+  for run in ("train", "eval"):  # the event files themselves: tests/test_run_logging.py
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(workdir, run)))
 
 
 def test_resume_continues_exactly(tmp_path, tiny_config, trained):

@@ -22,6 +22,8 @@ from transformer_jax import parallel
 from transformer_jax import workdir as workdir_lib
 
 DAMAGED_DIR = "checkpoints_damaged"
+# The parameters of the best evaluation (config.checkpoint_best_metric), one step at a time.
+BEST_DIR = "checkpoints_best"
 
 
 class CheckpointError(RuntimeError):
@@ -32,16 +34,41 @@ class DamagedCheckpointError(CheckpointError):
   """A checkpoint's files cannot be read back as they were written."""
 
 
-def manager(workdir: str, max_to_keep: int | None = 3, *, read_only: bool = False
-            ) -> ocp.CheckpointManager:
-  """A CheckpointManager over `workdir/checkpoints/<step>`; saves are asynchronous."""
+def manager(workdir: str, max_to_keep: int | None = 3, *, read_only: bool = False,
+            folder: str = "checkpoints") -> ocp.CheckpointManager:
+  """A CheckpointManager over `workdir/folder/<step>` (BEST_DIR: the best checkpoint, saved
+  by `save_best`); saves are asynchronous."""
   options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=not read_only,
                                          read_only=read_only, enable_async_checkpointing=True)
   handlers = dict(params=ocp.StandardCheckpointHandler(),
                   opt_state=ocp.StandardCheckpointHandler(),
-                  fingerprint=ocp.JsonCheckpointHandler(), data_state=ocp.JsonCheckpointHandler())
-  return ocp.CheckpointManager(workdir_lib.path(workdir) / "checkpoints", options=options,
+                  fingerprint=ocp.JsonCheckpointHandler(), data_state=ocp.JsonCheckpointHandler(),
+                  best=ocp.JsonCheckpointHandler())
+  return ocp.CheckpointManager(workdir_lib.path(workdir) / folder, options=options,
                                item_handlers=handlers)
+
+
+def save_best(checkpoints: ocp.CheckpointManager, step: int, params: Any, record: dict) -> None:
+  """Starts saving the parameters of a new best evaluation (without the optimizer state:
+  they are for inference) with `record` ({metric, value, step}); with max_to_keep=1 the
+  previous best is deleted once this one is written."""
+  check_background_saves(checkpoints)
+  items = dict(params=ocp.args.StandardSave(params),
+               fingerprint=ocp.args.JsonSave({"params": fingerprint(params)}),
+               best=ocp.args.JsonSave(record))
+  try:
+    checkpoints.save(step, args=ocp.args.Composite(**items), force=True)
+  except Exception as e:  # Orbax re-raises a previous background save's error here too
+    raise _save_failed(checkpoints, e) from None
+
+
+def best_record(checkpoints: ocp.CheckpointManager) -> dict | None:
+  """{metric, value, step} of the best checkpoint in `checkpoints`, or None if it has none."""
+  step = checkpoints.latest_step()
+  if step is None:
+    return None
+  return dict(checkpoints.restore(step, args=ocp.args.Composite(best=ocp.args.JsonRestore()))
+              ["best"])
 
 
 def _as_words(x: jax.Array) -> jax.Array:
@@ -248,10 +275,11 @@ def set_aside(workdir: str, checkpoints: ocp.CheckpointManager, steps: list[int]
   checkpoints.reload()
 
 
-def restore_params(workdir: str, init_params, step: int | None = None, average_last: int = 1,
-                   layout=None) -> tuple[Any, int]:
-  """A workdir's parameters at `step` (default: the newest good checkpoint), or the mean of
-  the last `average_last` checkpoints up to it (the paper averages the last 5 or 20).
+def restore_params(workdir: str, init_params, step: int | str | None = None,
+                   average_last: int = 1, layout=None) -> tuple[Any, int]:
+  """A workdir's parameters at `step` (default: the newest good checkpoint; 'best': the best
+  evaluation's, kept by config.checkpoint_best_metric), or the mean of the last
+  `average_last` checkpoints up to it (the paper averages the last 5 or 20).
 
   `init_params(rng)` gives the parameters' shapes and logical axes (it is never run); they
   are restored into `layout`'s shardings (default: one device), whatever layout saved them.
@@ -259,6 +287,16 @@ def restore_params(workdir: str, init_params, step: int | None = None, average_l
   """
   abstract = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0)))
   abstract = parallel.unbox(abstract) if layout is None else layout.abstract_params(abstract)
+  if step == "best":
+    if average_last > 1:
+      raise CheckpointError("--checkpoint best is one checkpoint: it cannot be averaged "
+                            "(drop --average_last).")
+    if not (workdir_lib.path(workdir) / BEST_DIR).exists():
+      raise CheckpointError(
+          f"No best checkpoint in {workdir}: train with --config.checkpoint_best_metric=NAME "
+          "(e.g. bleu), or use the latest checkpoint (drop --checkpoint best).")
+    params, _, step = restore(manager(workdir, read_only=True, folder=BEST_DIR), abstract)
+    return params, step
   checkpoints = manager(workdir, read_only=True)
   params, _, step = restore(checkpoints, abstract, step=step)
   if average_last <= 1:

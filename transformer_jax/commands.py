@@ -30,10 +30,11 @@ def decoding_tag(decoding_config: ml_collections.ConfigDict, average_last: int =
   return tag + (f"_avg{average_last}" if average_last > 1 else "")
 
 
-def run_evaluate(workdir: str, step: int | None = None, split: str = "test",
+def run_evaluate(workdir: str, step: int | str | None = None, split: str = "test",
                  average_last: int = 1, config: ml_collections.ConfigDict | None = None) -> dict:
-  """Task metrics of the workdir's checkpoint (the newest good one unless `step`; the mean of
-  the last `average_last` checkpoints up to it) on every example of `split`, decoded with
+  """Task metrics of the workdir's checkpoint (the newest good one unless `step`, a step or
+  'best'; the mean of the last `average_last` checkpoints up to it) on every example of
+  `split`, decoded with
   `config.decoding` (default: the saved config's).
 
   Writes WORKDIR/eval/step_N/SPLIT_DECODING/ with metrics.json and, one line per example in
@@ -50,7 +51,8 @@ def run_evaluate(workdir: str, step: int | None = None, split: str = "test",
                                    predictor.layout)
   result, rows = evaluator.evaluate_with_outputs(predictor.device_params, encoded[split],
                                                  examples[split])
-  result.update(step=predictor.step, split=split, examples=len(encoded[split]),
+  result.update(step=predictor.step, checkpoint="best" if step == "best" else "step",
+                split=split, examples=len(encoded[split]),
                 decoding=config.decoding.method, average_last=average_last)
   if "bleu" in result or config.task == "multitask":
     result["bleu_signature"] = metrics.bleu_signature()
@@ -92,7 +94,8 @@ def _lines(source: IO[str]) -> Iterator[str]:
   return iter(source.readline, "")  # readline: no read-ahead past the line on a pipe
 
 
-def run_predict(workdir: str, input_path: str, output_path: str, step: int | None = None,
+def run_predict(workdir: str, input_path: str, output_path: str,
+                step: int | str | None = None,
                 average_last: int = 1, config: ml_collections.ConfigDict | None = None,
                 nbest: int = 1, output_format: str = "text") -> None:
   """Outputs for each line of `input_path` into `output_path` ('-' = stdin / stdout; local

@@ -30,6 +30,7 @@ CHOICES = {
     "prng_impl": ("threefry2x32", "rbg", "unsafe_rbg"),
     "model.remat_policy": ("full", "dots", "dots_no_batch"),
     "model.pooling": ("mean", "first", "attention"),
+    "checkpoint_best_mode": ("max", "min"),
 }
 
 # key: (lowest, highest or None, whether the lowest is allowed, whether the highest is)
@@ -47,6 +48,7 @@ RANGES = {
     "eval_every_steps": (1, None, True, True),
     "checkpoint_every_steps": (1, None, True, True),
     "keep_checkpoints": (1, None, True, True),
+    "early_stopping_evals": (0, None, True, True),
     "num_generate_examples": (-1, None, True, True),
     "max_source_length": (2, None, True, True),
     "max_target_length": (2, None, True, True),
@@ -168,6 +170,7 @@ def _cross_key_problems(config: ml_collections.ConfigDict,
     if past_vocab:
       found.append(f"config.decoding.banned_ids {past_vocab} are not below "
                    f"config.model.vocab_size={m.vocab_size}")
+  found += _checkpointing_problems(config)
   found += _rule_problems(config.parallel.logical_axis_rules)
   if config.parallel.mode == "jit" and device_count is not None:
     sizes = [config.parallel.data, config.parallel.fsdp, config.parallel.tensor]
@@ -179,6 +182,27 @@ def _cross_key_problems(config: ml_collections.ConfigDict,
         device_count % product if sizes.count(-1) else product != device_count):
       found.append(f"config.parallel data x fsdp x tensor = {sizes} does not fit {device_count} "
                    "devices (their product must be the device count; one may be -1 = the rest)")
+  return found
+
+
+def _checkpointing_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """Keep-best, early stopping and profiling settings."""
+  found = []
+  metric, mode = config.checkpoint_best_metric, config.checkpoint_best_mode
+  if not isinstance(metric, str):
+    found.append(f"config.checkpoint_best_metric={metric!r} must be an eval metric name or ''")
+  elif metric in ("loss", "perplexity") and mode == "max":
+    found.append(f"config.checkpoint_best_metric={metric!r} is better when lower: set "
+                 "config.checkpoint_best_mode='min'")
+  if config.early_stopping_evals and not metric:
+    found.append("config.early_stopping_evals needs config.checkpoint_best_metric (the metric "
+                 "whose improvement it waits for)")
+  profile = config.profile_steps
+  if profile and not (isinstance(profile, (list, tuple)) and len(profile) == 2 and all(
+      isinstance(v, int) and not isinstance(v, bool) for v in profile) and profile[0] >= 0
+                      and profile[1] >= 1):
+    found.append(f"config.profile_steps={tuple(profile)!r} must be (first step >= 0, number "
+                 "of steps >= 1), or () for no profile")
   return found
 
 

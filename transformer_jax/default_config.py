@@ -174,6 +174,18 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every_steps = 250
   # Keep the newest this many checkpoints.
   config.keep_checkpoints = 3
+  # Also keep the parameters of the best evaluation by this eval metric (e.g. 'bleu',
+  # 'rouge1', 'accuracy', 'loss') in WORKDIR/checkpoints_best, apart from the rotation above
+  # (evaluate / predict with --checkpoint best); '' = off.
+  config.checkpoint_best_metric = ""
+  # 'max' (higher is better: bleu, rouge*, accuracy) or 'min' (loss, perplexity).
+  config.checkpoint_best_mode = "max"
+  # Stop training after this many evaluations in a row without a new best
+  # checkpoint_best_metric (saving a final checkpoint); 0 = never stop early.
+  config.early_stopping_evals = 0
+  # Trace these training steps with jax.profiler into WORKDIR/profile (view it in
+  # TensorBoard's Profile tab or Perfetto): (first step, number of steps); () = off.
+  config.profile_steps = ()
 
   # ---- Model ------------------------------------------------------------------------------
   # Every field of transformer_jax.models.TransformerConfig, with its default there (the one

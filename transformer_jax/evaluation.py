@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import time
 from typing import Sequence
 
 import ml_collections
@@ -83,6 +84,7 @@ class Evaluator:
                             ) -> tuple[dict, list[dict]]:
     """Like `evaluate`, with every generated output as {source, output, reference}, in order
     (decoded with `decoding_config`, default the config's)."""
+    self.decode_seconds = 0.0  # generation's share of this evaluation, for TensorBoard
     result = self.loss_and_accuracy(device_params, data)
     task = self.config.task
     n = len(data) if num_generate_examples < 0 or task == "classification" else min(
@@ -91,8 +93,10 @@ class Evaluator:
     if not chosen:
       return result, []
     prompts = self.family.prompts(data.subset(chosen))
+    start = time.perf_counter()
     output_ids = self.generator.output_ids(device_params, prompts,
                                            decoding_config=decoding_config)
+    self.decode_seconds = time.perf_counter() - start
     outputs = [self.family.output_text(ids, self.tokenizer) for ids in output_ids]
     examples = [examples[i] for i in chosen]
     if task == "classification":

@@ -23,6 +23,9 @@ from ml_collections import config_flags
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, tokenizer and config.")
 flags.DEFINE_enum("mode", "train", ["train", "evaluate", "predict"], "What to do.")
 flags.DEFINE_integer("checkpoint_step", None, "evaluate / predict: this step, not the latest.")
+flags.DEFINE_enum("checkpoint", "latest", ["latest", "best"], "evaluate / predict: 'latest' "
+                  "(or --checkpoint_step), or 'best': the best evaluation's, kept when training "
+                  "with config.checkpoint_best_metric.")
 flags.DEFINE_integer("average_last", 1, "evaluate / predict: average the parameters of the last "
                      "N checkpoints (up to --checkpoint_step), as the paper does with 5 or 20.")
 flags.DEFINE_string("input", "-", "predict: a file with one source text per line, - = stdin.")
@@ -133,6 +136,15 @@ def _inference_config():
   return config
 
 
+def _checkpoint() -> int | str | None:
+  """The checkpoint evaluate / predict restore: a step, 'best', or None (the latest)."""
+  if flags.FLAGS.checkpoint == "best":
+    if flags.FLAGS.checkpoint_step is not None:
+      raise app.UsageError("Pass --checkpoint best or --checkpoint_step, not both.")
+    return "best"
+  return flags.FLAGS.checkpoint_step
+
+
 def _run() -> None:
   from transformer_jax import commands  # pylint: disable=g-import-not-at-top
   workdir = flags.FLAGS.workdir
@@ -147,13 +159,13 @@ def _run() -> None:
       print(f"Stopped at step {result['step']}; checkpoint saved in {result['checkpoint_dir']}. "
             "Re-run the same command to resume.", file=sys.stderr)
   elif flags.FLAGS.mode == "evaluate":
-    result = commands.run_evaluate(workdir, flags.FLAGS.checkpoint_step, flags.FLAGS.split,
+    result = commands.run_evaluate(workdir, _checkpoint(), flags.FLAGS.split,
                                    average_last=flags.FLAGS.average_last,
                                    config=_inference_config())
     print(json.dumps(result), flush=True)
   else:
     commands.run_predict(workdir, flags.FLAGS.input, flags.FLAGS.output,
-                         flags.FLAGS.checkpoint_step, flags.FLAGS.average_last,
+                         _checkpoint(), flags.FLAGS.average_last,
                          config=_inference_config(), nbest=flags.FLAGS.nbest,
                          output_format=flags.FLAGS.output_format)
 

@@ -50,10 +50,11 @@ class Predictor:
     self.device_params = self.generator.layout.place_params(params, boxed)
 
   @classmethod
-  def from_workdir(cls, workdir: str, step: int | None = None, average_last: int = 1,
+  def from_workdir(cls, workdir: str, step: int | str | None = None, average_last: int = 1,
                    config: ml_collections.ConfigDict | None = None) -> "Predictor":
     """Loads the workdir's config (or `config`, e.g. the saved one with other decoding
-    settings), tokenizer and checkpoint (the newest good one unless `step`)."""
+    settings), tokenizer and checkpoint (the newest good one unless `step`: a step, or
+    'best' for the best evaluation's)."""
     config = config or workdir_lib.load_config(workdir)
     tokenizer = tokenizer_lib.Tokenizer.load(workdir_lib.tokenizer_path(workdir))
     layout = parallel.make_layout(config, fit_devices=True)

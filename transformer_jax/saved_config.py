@@ -21,19 +21,20 @@ def get_config(workdir: str) -> ml_collections.ConfigDict:
   return workdir_lib.load_config(workdir)
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-  flat = {}
+def flat(tree: dict, prefix: str = "") -> dict:
+  """{'model.emb_dim': 512, ...}: nested config dicts as dotted keys (empty dicts kept)."""
+  result = {}
   for key, value in tree.items():
     if isinstance(value, dict) and value:
-      flat.update(_flat(value, f"{prefix}{key}."))
+      result.update(flat(value, f"{prefix}{key}."))
     else:
-      flat[f"{prefix}{key}"] = value
-  return flat
+      result[f"{prefix}{key}"] = value
+  return result
 
 
 def changed_keys(saved: ml_collections.ConfigDict, given: ml_collections.ConfigDict) -> dict:
   """Keys whose values differ: {key: (saved, given)}."""
-  a, b = _flat(saved.to_dict()), _flat(given.to_dict())
+  a, b = flat(saved.to_dict()), flat(given.to_dict())
   return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 

@@ -20,6 +20,7 @@ from tensorboard.compat.proto import summary_pb2
 from tensorboard.compat.proto import tensor_pb2
 from tensorboard.compat.proto import tensor_shape_pb2
 from tensorboard.compat.proto import types_pb2
+from tensorboard.plugins.hparams import summary_v2 as hparams_summary
 from tensorboard.summary.writer import record_writer
 
 from transformer_jax import workdir as workdir_lib
@@ -80,8 +81,12 @@ class EventFileWriter:
                               for tag, text in texts.items()])
 
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
-    lines = [f"| {key} | {value} |" for key, value in sorted(hparams.items())]
-    self.write_texts(0, {"hparams": "\n".join(["| key | value |", "|---|---|", *lines])})
+    """`hparams` (flat: key -> value) for TensorBoard's HParams tab, at step 0. Values other
+    than bool, int, float and str (lists, None) are written as their text."""
+    values = {key: value if isinstance(value, (bool, int, float, str)) else str(value)
+              for key, value in hparams.items()}
+    summary = hparams_summary.hparams_pb(values)
+    self._write_event(event_pb2.Event(wall_time=time.time(), step=0, summary=summary))
 
   def write_summaries(self, step, values, metadata=None):
     raise NotImplementedError("EventFileWriter writes scalars, texts and hparams only.")
@@ -122,6 +127,7 @@ class _NoWriter:
 
   def write_scalars(self, step, scalars): pass
   def write_texts(self, step, texts): pass
+  def write_hparams(self, hparams): pass
   def flush(self): pass
   def close(self): pass
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
+import os
 import time
 from typing import Sequence
 
@@ -21,6 +23,7 @@ from transformer_jax import checkpoints
 from transformer_jax import config_validation
 from transformer_jax import evaluation
 from transformer_jax import families
+from transformer_jax import flops
 from transformer_jax import metrics
 from transformer_jax import parallel
 from transformer_jax import preemption
@@ -164,9 +167,13 @@ def train_step(state: train_state.TrainState, batch, rng, *, family: families.Fa
   grads = parallel.psum(grads, axis_name)
   new_state = state.apply_gradients(grads=grads)
   sums = parallel.psum(sums, axis_name)
+  grad_norm = optax.tree.norm(grads)  # of the whole batch's gradient, before any clipping
   # Checked on the host before every save: non-finite weights are never checkpointed.
-  finite = jnp.isfinite(sums["loss"]) & jnp.isfinite(optax.tree.norm(grads))
-  return new_state, dict(sums, nonfinite_steps=jnp.where(finite, 0.0, 1.0))
+  finite = jnp.isfinite(sums["loss"]) & jnp.isfinite(grad_norm)
+  # Norms are summed over the steps between two log lines like the other sums; the log
+  # divides them by the number of steps (their mean over the interval).
+  return new_state, dict(sums, nonfinite_steps=jnp.where(finite, 0.0, 1.0),
+                         grad_norm=grad_norm, param_norm=optax.tree.norm(new_state.params))
 
 
 def compile_train_step(config: ml_collections.ConfigDict, family: families.Family,
@@ -228,6 +235,29 @@ def _check_finite(host_sums: dict, step: int, manager) -> None:
       "config.grad_clip_norm, then re-run the same command to resume from it.")
 
 
+def _step_flops_and_peak(config: ml_collections.ConfigDict, family: families.Family,
+                         global_batch_size: int) -> tuple[float | None, float, str]:
+  """(model FLOPs of one training step or None when flops.py has no formula for this
+  family, peak TFLOP/s of one device, where that peak comes from) for the logged MFU."""
+  if config.task == "classification" or config.architecture != "encoder_decoder":
+    return None, 0.0, "no FLOP count for this model family"
+  step_flops = flops.train_step_flops(family.model_config, global_batch_size,
+                                      config.max_source_length, config.max_target_length)
+  if jax.devices()[0].platform == "cpu":  # no data sheet; a small matmul keeps this quick
+    return step_flops, flops.measured_matmul_tflops(size=512, repeats=3), \
+        "measured float32 matmul (CPU)"
+  peak, source = flops.peak_tflops(family.model_config.dtype)
+  return step_flops, peak, source
+
+
+def _improved(value: float, best: dict | None, mode: str) -> bool:
+  if not math.isfinite(value):
+    return False
+  if best is None:
+    return True
+  return value > best["value"] if mode == "max" else value < best["value"]
+
+
 def _model_changes(workdir: str, config: ml_collections.ConfigDict) -> str:
   """The model / data keys in which `config` differs from the workdir's saved config."""
   try:
@@ -250,8 +280,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   # ---- Setup ----------------------------------------------------------------------------
+  run_start = time.time()
   is_chief = jax.process_index() == 0
-  writer = summary_writer.create_writer(workdir, is_chief)
+  # Two TensorBoard runs with the same tag names (loss, accuracy, ...), so that the train and
+  # eval curves of a metric overlay in one chart.
+  train_writer = summary_writer.create_writer(os.path.join(workdir, "train"), is_chief)
+  eval_writer = summary_writer.create_writer(os.path.join(workdir, "eval"), is_chief)
   layout = parallel.make_layout(config)
   family = families.get(config)
   # Each optimizer step sees grad_accum_steps micro-batches of per_device_batch_size per device.
@@ -308,6 +342,25 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   if is_chief:  # after a successful restore: a mismatch keeps the old config
     workdir_lib.save_config(workdir, config)
   start_step = int(state.step)
+  best_metric = config.checkpoint_best_metric
+  best_manager = (checkpoints.manager(workdir, 1, folder=checkpoints.BEST_DIR)
+                  if best_metric else None)
+  best = checkpoints.best_record(best_manager) if best_manager else None  # kept across resumes
+  if best and best["metric"] != best_metric:
+    raise ValueError(f"{best_manager.directory} keeps the best {best['metric']!r}, not "
+                     f"config.checkpoint_best_metric={best_metric!r}; move that folder away or "
+                     "keep the metric.")
+
+  # ---- TensorBoard: the config, and the peak the MFU is measured against ------------------
+  step_flops, peak_tflops, peak_source = _step_flops_and_peak(config, family,
+                                                              global_batch_size)
+  config_text = "    " + config.to_json_best_effort(indent=2).replace("\n", "\n    ")
+  train_writer.write_texts(0, {"config": config_text, "mfu_peak": (
+      f"MFU is model FLOPs (flops.py, padded lengths) / ({peak_tflops:.1f} TFLOP/s x "
+      f"{jax.device_count()} devices); peak from {peak_source}.")})
+  train_writer.write_hparams(saved_config.flat(config.to_dict()))
+  train_writer.flush()
+  logging.info("MFU against %.1f TFLOP/s per device (%s).", peak_tflops, peak_source)
 
   # ---- Compiled steps -------------------------------------------------------------------
   p_train_step = compile_train_step(config, family, layout)
@@ -315,72 +368,153 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   state = layout.place_state(state)
 
   def run_eval(step: int) -> dict:
+    start = time.time()
     result, samples = evaluator.evaluate(state.params, eval_data, eval_examples,
                                          config.num_generate_examples)
-    writer.write_scalars(step, {f"eval_{k}": v for k, v in result.items()})
+    eval_writer.write_scalars(step, dict(result, eval_time_s=time.time() - start,
+                                         decode_time_s=evaluator.decode_seconds))
     if samples:
-      writer.write_texts(step, {"eval_samples": "\n\n---\n\n".join(samples)})
-    writer.flush()
-    logging.info("step %d eval: %s", step,
+      eval_writer.write_texts(step, {"samples": "\n\n---\n\n".join(samples)})
+    eval_writer.flush()
+    logging.info("step %d eval (%.1f s): %s", step, time.time() - start,
                  ", ".join(f"{k} {v:.4f}" for k, v in sorted(result.items())))
     return result
+
+  def keep_if_best(step: int, result: dict) -> bool:
+    """Saves the parameters if `result` is the best evaluation yet; True if it is."""
+    nonlocal best
+    if best_metric not in result:
+      raise ValueError(f"config.checkpoint_best_metric={best_metric!r} is not a metric of "
+                       f"this evaluation ({', '.join(sorted(result))}).")
+    if not _improved(result[best_metric], best, config.checkpoint_best_mode):
+      return False
+    best = dict(metric=best_metric, value=float(result[best_metric]), step=step)
+    checkpoints.save_best(best_manager, step, layout.checkpoint_state(state).params, best)
+    logging.info("New best %s %.4f at step %d, kept in %s.", best_metric, best["value"], step,
+                 best_manager.directory)
+    return True
 
   def save(step: int):
     if sums is not None:  # else checked at this step's log line
       _check_finite(layout.host_sums(sums), step, manager)
+    start = time.time()
     saved = layout.checkpoint_state(state)
     checkpoints.save(manager, step, saved.params, saved.opt_state, data_state)
-    logging.info("Saving checkpoint %d in %s (in the background).", step, manager.directory)
+    logging.info("Saved checkpoint %d (%.1f s; written in the background) in %s.", step,
+                 time.time() - start, manager.directory)
 
   # ---- Training loop --------------------------------------------------------------------
   result = {}
+  stopped_early = False
+  evals_without_best = 0  # counted within this run: a resumed run starts again from 0
+  profile, profiling = tuple(config.profile_steps), False
+  profile_dir = os.path.join(workdir, "profile")
   data_state = train_batches.state  # the pipeline's position after the last batch trained on
   # Closed on every exit, an error included: that stops the prefetch thread.
   with contextlib.closing(pipeline.prefetch(train_batches, layout.train_batch,
                                            config.prefetch_batches)) as batches, \
       preemption.PreemptionWatcher() as watcher:
-    sums, last_log_time, last_log_step = None, time.time(), start_step
+    # Rates are measured from the end of the first step, so the compilation stays out of the
+    # steps/s, tokens/s, MFU and ETA.
+    sums, last_log_time, last_log_step, sums_steps = None, time.time(), start_step, 0
     for step in range(start_step, config.num_train_steps):
+      if profile and step == profile[0] and is_chief:
+        jax.profiler.start_trace(profile_dir)
+        profiling = True
       batch, data_state = next(batches)
       state, step_sums = p_train_step(state, batch, dropout_rng)
       # Accumulated on device: the host only waits at log and save time.
       sums = step_sums if sums is None else jax.tree.map(jnp.add, sums, step_sums)
+      sums_steps += 1
+      if profiling and (step == profile[0] + profile[1] - 1 or
+                        done == config.num_train_steps):
+        jax.block_until_ready(step_sums)
+        jax.profiler.stop_trace()
+        profiling = False
+        logging.info("Wrote a profile of steps %d-%d to %s.", profile[0], step, profile_dir)
       checkpoints.check_background_saves(manager)
       done = step + 1
+      if step == start_step:
+        jax.block_until_ready(step_sums)
+        logging.info("First step (compilation included) took %.1f s.",
+                     time.time() - last_log_time)
+        last_log_time, last_log_step = time.time(), done
       if done % config.log_every_steps == 0 or done == config.num_train_steps:
         host_sums = layout.host_sums(sums)
         _check_finite(host_sums, done, manager)
-        train_metrics = metrics.normalize(
-            {k: v for k, v in host_sums.items() if k != "nonfinite_steps"})
-        elapsed = time.time() - last_log_time
-        steps_per_sec = (done - last_log_step) / elapsed
-        eta_min = (config.num_train_steps - done) / steps_per_sec / 60
+        norms = {k: float(host_sums[k]) / sums_steps for k in ("grad_norm", "param_norm")}
+        train_metrics = metrics.normalize({k: v for k, v in host_sums.items()
+                                           if k not in ("nonfinite_steps", *norms)})
         lr = float(rsqrt_schedule(config.learning_rate, config.warmup_steps)(done - 1))
-        writer.write_scalars(done, {
-            "train_loss": train_metrics["loss"], "train_accuracy": train_metrics["accuracy"],
-            "learning_rate": lr, "steps_per_sec": steps_per_sec,
-            "tokens_per_sec": host_sums["denominator"] / elapsed})
-        writer.flush()
-        logging.info("step %d/%d: loss %.4f, lr %.2e, %.2f steps/s, %.0f tokens/s, ETA %.1f min",
-                     done, config.num_train_steps, train_metrics["loss"], lr, steps_per_sec,
-                     host_sums["denominator"] / elapsed, eta_min)
-        sums, last_log_time, last_log_step = None, time.time(), done
+        scalars = dict(loss=train_metrics["loss"], accuracy=train_metrics["accuracy"],
+                       perplexity=math.exp(min(train_metrics["loss"], 50.0)),
+                       learning_rate=lr, **norms)
+        progress = f"step {done}/{config.num_train_steps}: loss {train_metrics['loss']:.4f}, " \
+                   f"lr {lr:.2e}, grad_norm {norms['grad_norm']:.3f}"
+        if done > last_log_step:  # else only the first step ran since: no rate yet
+          steps_per_sec = (done - last_log_step) / (time.time() - last_log_time)
+          tokens_per_sec = host_sums["denominator"] / sums_steps * steps_per_sec
+          scalars.update(steps_per_sec=steps_per_sec, step_time_s=1 / steps_per_sec,
+                         tokens_per_sec=tokens_per_sec)
+          progress += f", {steps_per_sec:.2f} steps/s, {tokens_per_sec:.0f} tokens/s"
+          if step_flops:
+            scalars["mfu"] = step_flops * steps_per_sec / (
+                peak_tflops * 1e12 * jax.device_count())
+            progress += f", MFU {scalars['mfu']:.1%}"
+          eta = (config.num_train_steps - done) / steps_per_sec / 60
+          progress += f", ETA {eta:.1f} min"
+        train_writer.write_scalars(done, scalars)
+        train_writer.flush()
+        logging.info("%s", progress)
+        sums, last_log_time, last_log_step, sums_steps = None, time.time(), done, 0
       pause_start = time.time()
       if watcher.should_stop(done):
+        if profiling:  # stopped inside the traced steps: keep what was traced
+          jax.profiler.stop_trace()
         save(done)
         checkpoints.wait_for_saves(manager)
+        if best_manager:
+          checkpoints.wait_for_saves(best_manager)
         logging.info("Stopped at step %d after saving its checkpoint.", done)
         return dict(result, preempted=True, step=done, checkpoint_dir=str(manager.directory))
       if done % config.eval_every_steps == 0 or done == config.num_train_steps:
         result = run_eval(done)
-      if done % config.checkpoint_every_steps == 0 or done == config.num_train_steps:
+        if best_metric:
+          evals_without_best = 0 if keep_if_best(done, result) else evals_without_best + 1
+        stopped_early = 0 < config.early_stopping_evals <= evals_without_best
+      if (done % config.checkpoint_every_steps == 0 or done == config.num_train_steps
+          or stopped_early):
         save(done)
+      if stopped_early:
+        logging.info("Early stopping at step %d: %d evaluations without a better %s.", done,
+                     evals_without_best, best_metric)
+        break
       last_log_time += time.time() - pause_start  # steps/s and tokens/s count training only
 
+  if profiling:  # stopped early inside the traced steps: keep what was traced
+    jax.profiler.stop_trace()
   if start_step >= config.num_train_steps:
     logging.info("Already trained to step %d.", start_step)
     result = run_eval(start_step)
   checkpoints.wait_for_saves(manager)
+  if best_manager:
+    checkpoints.wait_for_saves(best_manager)
+    best_manager.close()
+  final_step = manager.latest_step()
   manager.close()
-  writer.close()
+  train_writer.close()
+  eval_writer.close()
+  # ---- Summary ---------------------------------------------------------------------------
+  summary = [f"Finished at step {final_step}{' (stopped early)' if stopped_early else ''} "
+             f"in {(time.time() - run_start) / 60:.1f} min."]
+  if result:
+    summary.append("Final eval: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(result.items())))
+  if best:
+    summary.append(f"Best {best['metric']} {best['value']:.4f} at step {best['step']} "
+                   f"(--checkpoint best: {best_manager.directory}).")
+  summary.append(f"Checkpoints: {manager.directory}; TensorBoard: tensorboard --logdir "
+                 f"{workdir}.")
+  logging.info("\n  ".join(summary))
+  if best_metric:
+    result = dict(result, best=best, stopped_early=stopped_early)
   return result
