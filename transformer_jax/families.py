@@ -25,6 +25,7 @@ import numpy as np
 
 from transformer_jax import decoding
 from transformer_jax import default_config
+from transformer_jax import flops
 from transformer_jax import generate
 from transformer_jax import models
 from transformer_jax import parallel
@@ -123,6 +124,11 @@ class Family(abc.ABC):
       weights = (targets > 0).astype(jnp.float32)
     return targets, weights
 
+  def train_step_flops(self, batch_size: int) -> float | None:
+    """Model FLOPs of one training step on full-length rows (for the MFU); None where
+    flops.py has no formula for the family."""
+    return None
+
   # ---- Data -------------------------------------------------------------------------------
 
   def encode_examples(self, examples: Sequence[dict], tokenizer: tokenizer_lib.Tokenizer, *,
@@ -210,6 +216,10 @@ class EncoderDecoder(_SequenceFamily):
         {"params": params}, batch["inputs"], batch["targets"], batch.get("inputs_position"),
         batch.get("targets_position"), batch.get("inputs_segmentation"),
         batch.get("targets_segmentation"), deterministic=deterministic, rngs=rngs or {})
+
+  def train_step_flops(self, batch_size: int) -> float:
+    return flops.train_step_flops(self.model_config, batch_size, self.config.max_source_length,
+                                  self.config.max_target_length)
 
   def feature_lengths(self) -> dict[str, int]:
     return {"inputs": self.config.max_source_length, "targets": self.config.max_target_length}

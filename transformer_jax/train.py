@@ -239,10 +239,9 @@ def _step_flops_and_peak(config: ml_collections.ConfigDict, family: families.Fam
                          global_batch_size: int) -> tuple[float | None, float, str]:
   """(model FLOPs of one training step or None when flops.py has no formula for this
   family, peak TFLOP/s of one device, where that peak comes from) for the logged MFU."""
-  if config.task == "classification" or config.architecture != "encoder_decoder":
+  step_flops = family.train_step_flops(global_batch_size)
+  if step_flops is None:
     return None, 0.0, "no FLOP count for this model family"
-  step_flops = flops.train_step_flops(family.model_config, global_batch_size,
-                                      config.max_source_length, config.max_target_length)
   if jax.devices()[0].platform == "cpu":  # no data sheet; a small matmul keeps this quick
     return step_flops, flops.measured_matmul_tflops(size=512, repeats=3), \
         "measured float32 matmul (CPU)"
