@@ -116,10 +116,11 @@ def test_config_refuses_unworkable_best_and_profile_settings(tiny_config, overri
     config_validation.validate(tiny_config)
 
 
-def test_profile_steps_writes_a_trace(tmp_path, tiny_config):
+@pytest.mark.parametrize("profile_steps", [(0, 2), (2, 2)])  # from the first step, or later
+def test_profile_steps_writes_a_trace(tmp_path, tiny_config, profile_steps):
   tiny_config.num_train_steps = 4
   tiny_config.num_generate_examples = 0
-  tiny_config.profile_steps = (2, 2)
+  tiny_config.profile_steps = profile_steps
   train.train_and_evaluate(tiny_config, str(tmp_path))
   assert len(_traces(str(tmp_path))) == 1
 

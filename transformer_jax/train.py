@@ -425,14 +425,13 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
       # Accumulated on device: the host only waits at log and save time.
       sums = step_sums if sums is None else jax.tree.map(jnp.add, sums, step_sums)
       sums_steps += 1
-      if profiling and (step == profile[0] + profile[1] - 1 or
-                        done == config.num_train_steps):
+      done = step + 1
+      if profiling and (done == profile[0] + profile[1] or done == config.num_train_steps):
         jax.block_until_ready(step_sums)
         jax.profiler.stop_trace()
         profiling = False
         logging.info("Wrote a profile of steps %d-%d to %s.", profile[0], step, profile_dir)
       checkpoints.check_background_saves(manager)
-      done = step + 1
       if step == start_step:
         jax.block_until_ready(step_sums)
         logging.info("First step (compilation included) took %.1f s.",
