@@ -14,6 +14,7 @@ from typing import Any
 import ml_collections
 
 from transformer_jax import families
+from transformer_jax import parallel
 
 CHOICES = {
     "task": ("translation", "summarization", "classification", "multitask"),
@@ -208,14 +209,13 @@ def _checkpointing_problems(config: ml_collections.ConfigDict) -> list[str]:
 
 def _rule_problems(rules) -> list[str]:
   """config.parallel.logical_axis_rules must be [logical name, mesh axes] pairs."""
-  mesh_axes = ("data", "fsdp", "tensor")
   for rule in rules:
     axes = rule[1] if isinstance(rule, (list, tuple)) and len(rule) == 2 else ()
     names = axes if isinstance(axes, (list, tuple)) else [axes]
     if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str)
-            and all(n is None or n in mesh_axes for n in names)):
+            and all(n is None or n in parallel.MESH_AXES for n in names)):
       return [f"config.parallel.logical_axis_rules: {rule!r} is not a [logical name, mesh "
-              f"axes] pair (mesh axes: None, one of {mesh_axes}, or a list of them)"]
+              f"axes] pair (mesh axes: None, one of {parallel.MESH_AXES}, or a list of them)"]
   return []
 
 

@@ -10,7 +10,6 @@ import time
 from typing import Sequence
 
 import ml_collections
-import numpy as np
 from absl import logging
 
 from transformer_jax import generate
@@ -60,7 +59,7 @@ class Evaluator:
       sums = metrics.add_sums(sums, self.layout.host_sums(step_sums))
     result = metrics.normalize(sums)
     if data.labels is None:
-      result["perplexity"] = float(np.exp(min(result["loss"], 50.0)))
+      result["perplexity"] = metrics.perplexity(result["loss"])
     return result
 
   def evaluate(self, device_params, data: pipeline.Encoded, examples: Sequence[dict],

@@ -51,6 +51,11 @@ def token_metrics(logits: Array, targets: Array, weights: Array,
           "denominator": jnp.sum(weights)}
 
 
+def perplexity(loss: float) -> float:
+  """exp(mean token loss), capped at exp(50) so a diverged loss gives a number, not inf."""
+  return float(np.exp(min(loss, 50.0)))
+
+
 def normalize(sums: Mapping[str, float]) -> dict[str, float]:
   """Divides every summed metric by the shared 'denominator'."""
   denominator = float(sums["denominator"])

@@ -445,7 +445,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
                                            if k not in ("nonfinite_steps", *norms)})
         lr = float(rsqrt_schedule(config.learning_rate, config.warmup_steps)(done - 1))
         scalars = dict(loss=train_metrics["loss"], accuracy=train_metrics["accuracy"],
-                       perplexity=math.exp(min(train_metrics["loss"], 50.0)),
+                       perplexity=metrics.perplexity(train_metrics["loss"]),
                        learning_rate=lr, **norms)
         progress = f"step {done}/{config.num_train_steps}: loss {train_metrics['loss']:.4f}, " \
                    f"lr {lr:.2e}, grad_norm {norms['grad_norm']:.3f}"
