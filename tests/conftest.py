@@ -31,6 +31,7 @@ def make_tiny_config(cache_dir: str):
   config.eval_every_steps = 10
   config.checkpoint_every_steps = 10
   config.num_generate_examples = 16
+  config.attention_images.layers = ()  # drawn only where a test asks (matplotlib is slow)
   config.model.update(vocab_size=256, emb_dim=32, num_heads=2, num_layers=1, qkv_dim=32,
                       mlp_dim=64, max_len=32)
   return config

@@ -3,6 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from transformer_jax import decoding
 from transformer_jax import families
 from transformer_jax import models
 
@@ -73,6 +74,44 @@ def test_cached_prefix_fill_then_single_steps():
     cache = variables["cache"]
     outputs.append(logits)
   np.testing.assert_allclose(jnp.concatenate(outputs, axis=1), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("score", ["dot_product", "additive"])
+def test_beams_share_their_sources_cross_attention_keys_and_values(score):
+  # Three rows (beams) per source read the source's one copy of the cross-attention keys and
+  # values; each row's logits equal the full forward pass of its own targets.
+  config = CONFIG.replace(cross_attention_score=score)
+  family = families.from_model_config("encoder_decoder", config)
+  model, params = family.model, _init(config)[1]
+  inputs = jnp.array([[5, 9, 12, 1, 0, 0], [7, 8, 1, 0, 0, 0]])
+  targets = jnp.array([[11, 4, 13, 1], [6, 17, 30, 1], [3, 5, 7, 9],
+                       [6, 17, 8, 1], [20, 21, 22, 1], [9, 9, 9, 9]])  # 3 rows per source
+  full = model.apply({"params": params}, jnp.repeat(inputs, 3, axis=0), targets,
+                     deterministic=True)
+  encoded = model.apply({"params": params}, inputs, deterministic=True, method=model.encode)
+  step = family.cached_tokens_to_logits(params, encoded, inputs)
+  cache = decoding.expand_cache(family.init_cache(2, 6, 4), 3)
+  decoder_inputs = models.shift_right(targets, config.bos_id)
+  for t in range(targets.shape[1]):
+    logits, cache = step(decoder_inputs[:, t:t + 1], cache)
+    np.testing.assert_allclose(logits, full[:, t], rtol=1e-5, atol=1e-5)
+
+
+def test_decode_steps_read_cross_attention_keys_and_values_from_the_collection():
+  family = _family()
+  model, params = family.model, _init(CONFIG)[1]
+  inputs = jnp.array([[5, 9, 12, 1, 0, 0]])
+  encoded = model.apply({"params": params}, inputs, deterministic=True, method=model.encode)
+  encoded_kv = family.encoded_key_value(params, encoded, inputs)
+  assert set(encoded_kv["decoder"]["layer_0"]["cross_attention"]) == {"key", "value"}
+  step = lambda enc: model.apply(
+      {"params": params, "cache": family.init_cache(1, 6, 2), "encoded_kv": encoded_kv}, enc,
+      inputs, jnp.array([[CONFIG.bos_id]]), deterministic=True, decode=True,
+      mutable=["cache"], method=model.decode)[0]
+  # The step does not look at the encoder output again: only at its keys/values.
+  np.testing.assert_array_equal(step(encoded), step(jnp.zeros_like(encoded)))
+  full = model.apply({"params": params}, inputs, jnp.array([[4]]), deterministic=True)
+  np.testing.assert_allclose(step(encoded)[:, 0], full[:, 0], rtol=1e-5, atol=1e-5)
 
 
 def test_future_targets_do_not_change_earlier_logits():

@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import sys
 
 import jax
 import numpy as np
@@ -15,11 +16,12 @@ from transformer_jax import commands
 from transformer_jax import config_validation
 from transformer_jax import predict
 from transformer_jax import train
+from tests.conftest import ROOT
 
 
 def _events(workdir, run):
   accumulator = event_accumulator.EventAccumulator(os.path.join(workdir, run), size_guidance={
-      event_accumulator.TENSORS: 0, event_accumulator.SCALARS: 0})
+      event_accumulator.TENSORS: 0, event_accumulator.SCALARS: 0, event_accumulator.IMAGES: 0})
   accumulator.Reload()
   return accumulator
 
@@ -38,6 +40,7 @@ def stopped(tmp_path_factory, data_cache):
   config.checkpoint_best_metric = "bleu"
   config.early_stopping_evals = 2
   config.profile_steps = (12, 10)  # cut short by the early stop at step 15
+  config.attention_images.update(dict(layers=(0,), heads=(0, -1)))
   workdir = str(tmp_path_factory.mktemp("stopped"))
   return workdir, train.train_and_evaluate(config, workdir)
 
@@ -63,6 +66,14 @@ def test_train_and_eval_runs_share_tags_and_log_the_config(stopped):
   assert saved["checkpoint_best_metric"] == "bleu" and saved["model"]["emb_dim"] == 32
   assert "samples" in eval_run.Tags()["tensors"]
   assert "_hparams_/session_start_info" in train_run.Tags()["tensors"]
+  # Attention heatmaps of the first generated example at each evaluation.
+  assert sorted(eval_run.Tags()["images"]) == [
+      f"attention/{kind}/layer_0/head_{head}" for kind in ("cross", "decoder_self",
+                                                           "encoder_self") for head in (0, 1)]
+  images = eval_run.Images("attention/cross/layer_0/head_1")
+  assert [image.step for image in images] == [5, 10, 15]
+  png = images[0].encoded_image_string
+  assert png.startswith(b"\x89PNG") and images[0].width > 100 and images[0].height > 100
 
 
 def _traces(workdir):
@@ -94,6 +105,22 @@ def test_evaluate_cli_takes_the_best_checkpoint(stopped):
   run = cli.run(workdir, "--mode", "evaluate", "--split", "validation", "--checkpoint", "best")
   assert run.returncode == 0, run.stderr[-3000:]
   assert json.loads(run.stdout.splitlines()[-1])["step"] == 5
+
+
+def test_attention_cli_draws_a_sentence_from_the_workdir(stopped):
+  from tests import cli
+  workdir, _ = stopped
+  png = os.path.join(workdir, "attention.png")
+  run = cli.run(workdir, "--mode", "attention", "--text", "the red house", "--output", png)
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert f"drawn in {png}" in run.stdout
+  with open(png, "rb") as f:
+    header = f.read(24)
+  # Saved config: layer 0, heads (0, -1) -> 3 kinds x 2 heads in a 3 x 2 grid.
+  width, height = int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
+  assert header.startswith(b"\x89PNG") and height > width > 0
+  missing = cli.run(workdir, "--mode", "attention", "--output", png)
+  assert missing.returncode != 0 and "--mode attention needs --text" in missing.stderr
 
 
 def test_best_checkpoint_missing_says_what_to_do(tmp_path, tiny_config):
@@ -138,3 +165,20 @@ def test_console_has_one_line_per_log_step_save_lines_and_a_summary(tmp_path, ti
   assert sum(line.startswith("Saved checkpoint 10 (") for line in lines) == 1
   summary = [line for line in lines if line.startswith("Finished at step 10 in ")]
   assert len(summary) == 1 and f"Checkpoints: {tmp_path}/checkpoints" in summary[0]
+
+
+def test_plot_curves_draws_the_train_and_eval_runs(stopped, tmp_path, capsys):
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import plot_curves  # pylint: disable=g-import-not-at-top
+  workdir, _ = stopped
+  curves = plot_curves.curves(workdir)
+  # What training logged, read back: eval BLEU at each evaluation, train loss per log step.
+  assert [step for step, _ in curves["eval"]["bleu"]] == [5, 10, 15]
+  assert [step for step, _ in curves["train"]["loss"]] == [5, 10, 15]
+  assert plot_curves.default_tags([curves]) == ["loss", "bleu"]
+  png = str(tmp_path / "curves.png")
+  assert plot_curves.main([workdir, workdir, "--labels", "a,b", "--output", png]) == 0
+  assert "loss, bleu of 2 workdir(s) drawn in" in capsys.readouterr().out
+  with open(png, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  assert plot_curves.main([str(tmp_path / "none"), "--output", png]) == 1

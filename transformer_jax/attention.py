@@ -135,6 +135,13 @@ def fused_attention(query: Array, key: Array, value: Array, mask: Array | None,
   return jnp.where(empty[:, 0, :, None, None], mean, out)  # [b, q, h, d]
 
 
+def _heads_major(x: Array) -> Array:
+  """[b, len, h, d] <-> [b, h, len, d]. Decoding keeps keys and values heads-major, the layout
+  the score and value matmuls read, so a step does not transpose them all (measured in
+  benchmarks/RESULTS.md)."""
+  return jnp.swapaxes(x, 1, 2)
+
+
 class MultiHeadAttention(nn.Module):
   """Multi-head attention: project Q/K/V, score per head, attend, concatenate, project out.
 
@@ -145,11 +152,13 @@ class MultiHeadAttention(nn.Module):
   except where the weights are needed: attention dropout in training, or weights captured in
   the 'intermediates' collection (see `models.attention_weights`).
 
-  In decode mode (self-attention only) keys and values are kept in a 'cache' collection of
+  In decode mode self-attention keys and values are kept in a 'cache' collection of
   shape [b, max_len, h, d]: a call with n new tokens writes them at `cache_index` and attends
   causally over everything written so far, so a prefix is filled in one call and then extended
   one token per call. The cache is created by an `init` in decode mode on inputs of the full
-  decode length.
+  decode length. Cross-attention keys/values are projected once per source and kept in an
+  'encoded_kv' collection (`_encoded_key_value`); queries of several rows per source (beams)
+  attend to them without copies.
   """
   num_heads: int
   qkv_dim: int
@@ -177,15 +186,26 @@ class MultiHeadAttention(nn.Module):
       query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [b, q, h, d]
     else:
       query = projection(1, "query")(inputs_q)[:, :, 0]  # [b, q, h, d]
-      kv = projection(2, "kv")(inputs_kv)  # [b, k, 2, h, d]
-      key, value = kv[:, :, 0], kv[:, :, 1]  # each [b, k, h, d]
+      kv_projection = projection(2, "kv")
+
+      def project():
+        kv = kv_projection(inputs_kv)  # [b, k, 2, h, d]
+        return kv[:, :, 0], kv[:, :, 1]  # each [b, k, h, d]
+
+      key, value = self._encoded_key_value(project) if decode else project()
 
     # Under the jit layout: heads split over the tensor axis, rows over data x fsdp (a no-op
     # without logical axis rules, as under pmap).
     query, key, value = (nn.with_logical_constraint(x, ("batch", "length", "heads", "kv"))
                          for x in (query, key, value))
-    if decode:
+    if decode and inputs_q is inputs_kv:
       key, value, mask = self._update_cache(key, value, mask)
+    # Decoding several copies (beams, samples) of each source: their queries meet the one
+    # copy of the source's keys/values as extra query positions, [b * c, q] -> [b, c * q].
+    rows, num_queries = query.shape[:2]
+    copies = rows // key.shape[0]
+    if copies > 1:
+      query = query.reshape(key.shape[0], copies * num_queries, *query.shape[2:])
 
     dropout_rng = None
     if not deterministic and self.dropout_rate > 0.0:
@@ -204,6 +224,8 @@ class MultiHeadAttention(nn.Module):
         out, weights = _attend(scores, value, mask, self.dropout_rate, dropout_rng)
       if capture:
         self.sow("intermediates", "attention_weights", weights)
+    if copies > 1:
+      out = out.reshape(rows, num_queries, *out.shape[2:])
     return nn.DenseGeneral(
         inputs_q.shape[-1], axis=(-2, -1), dtype=self.dtype,
         kernel_init=_partitioned(self.kernel_init, ("heads", "kv", "embed")),
@@ -230,20 +252,37 @@ class MultiHeadAttention(nn.Module):
     raise ValueError(f"Unknown attention score {self.score!r}: use 'dot_product', "
                      "'multiplicative' or 'additive'.")
 
+  def _encoded_key_value(self, project: Callable[[], tuple[Array, Array]]):
+    """Cross-attention keys/values while decoding: projected from the encoder output once per
+    source, kept in the 'encoded_kv' collection and read by every later step (whose new token
+    then needs only its query projection)."""
+    if self.has_variable("encoded_kv", "key"):
+      return (_heads_major(self.get_variable("encoded_kv", "key")),
+              _heads_major(self.get_variable("encoded_kv", "value")))
+    key, value = project()
+    if self.is_mutable_collection("encoded_kv"):
+      self.put_variable("encoded_kv", "key", _heads_major(key))
+      self.put_variable("encoded_kv", "value", _heads_major(value))
+    return key, value
+
   def _update_cache(self, key: Array, value: Array, mask: Array | None):
     """Writes the new keys/values into the cache; returns all cached ones and their mask."""
     initialized = self.has_variable("cache", "cached_key")
-    cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
-    cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+    shape = _heads_major(key).shape
+    cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, key.dtype)
+    cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, value.dtype)
     cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
     if not initialized:  # the init pass only creates the cache
       return key, value, mask
-    num_new, max_len = key.shape[1], cached_key.value.shape[1]
+    num_new, max_len = key.shape[1], cached_key.value.shape[2]
     index = cache_index.value
-    cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key, (0, index, 0, 0))
-    cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, value, (0, index, 0, 0))
+    cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, _heads_major(key),
+                                                    (0, 0, index, 0))
+    cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, _heads_major(value),
+                                                      (0, 0, index, 0))
     cache_index.value = index + num_new
     # New token i (at absolute position index + i) sees cached positions <= index + i.
     query_positions = index + jnp.arange(num_new)[:, None]  # [q, 1]
     causal = jnp.arange(max_len)[None, :] <= query_positions  # [q, max_len]
-    return cached_key.value, cached_value.value, combine_masks(causal[None, None], mask)
+    return (_heads_major(cached_key.value), _heads_major(cached_value.value),
+            combine_masks(causal[None, None], mask))

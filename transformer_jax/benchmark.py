@@ -105,16 +105,6 @@ def _no_pad(logits):
   return logits.at[:, 0].set(decoding.NEG_INF)
 
 
-def _cached_callback(family, params, encoded, source, batch_rows, decode_len):
-  cached = family.cached_tokens_to_logits(params, encoded, source)
-
-  def tokens_to_logits(ids, cache):
-    logits, cache = cached(ids, cache)
-    return _no_pad(logits), cache
-
-  return tokens_to_logits, family.init_cache(batch_rows, source.shape[1], decode_len)
-
-
 def _no_cache_callback(family, params, encoded, source, batch_rows, decode_len):
   """tokens_to_logits that re-runs the decoder over the whole output buffer each step."""
   model = family.model
@@ -135,16 +125,22 @@ def _no_cache_callback(family, params, encoded, source, batch_rows, decode_len):
 
 
 def _decode(params, inputs, *, family, decode_len: int, beam_size: int, use_cache: bool):
-  model = family.model
-  encoded = model.apply({"params": params}, inputs, deterministic=True, method=model.encode)
-  source = inputs
-  if beam_size > 1:
-    encoded = decoding.flat_batch_beam_expand(encoded, beam_size)
-    source = decoding.flat_batch_beam_expand(inputs, beam_size)
-  make_callback = _cached_callback if use_cache else _no_cache_callback
+  """Decoded ids of random-weight `family` (no EOS, so every output is decode_len long):
+  with the KV cache as predict and evaluation decode, or re-running the decoder."""
+  if use_cache:
+    cache, cached, _ = family.start_decoding(params, inputs, inputs.shape[0] * beam_size,
+                                             decode_len)
+
+    def tokens_to_logits(ids, cache):
+      logits, cache = cached(ids, cache)
+      return _no_pad(logits), cache
+  else:
+    model = family.model
+    encoded = model.apply({"params": params}, inputs, deterministic=True, method=model.encode)
+    tokens_to_logits, cache = _no_cache_callback(
+        family, params, decoding.flat_batch_beam_expand(encoded, beam_size),
+        decoding.flat_batch_beam_expand(inputs, beam_size), inputs.shape[0], decode_len)
   # Caches are made per example; beam search expands them to its beams.
-  tokens_to_logits, cache = make_callback(family, params, encoded, source, inputs.shape[0],
-                                          decode_len)
   if beam_size > 1:
     return decoding.beam_search(inputs, cache, tokens_to_logits, beam_size=beam_size, alpha=0.6,
                                 eos_id=NEVER, max_decode_len=decode_len)[0]

@@ -1,4 +1,5 @@
-"""The `--mode evaluate` and `--mode predict` commands, on a trained workdir."""
+"""The `--mode evaluate`, `--mode predict` and `--mode attention` commands, on a trained
+workdir."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import IO, Iterator
 import ml_collections
 from absl import logging
 
+from transformer_jax import attention_maps
 from transformer_jax import evaluation
 from transformer_jax import metrics
 from transformer_jax import predict
@@ -139,3 +141,16 @@ def _format(source: str, outputs: list[tuple[str, float]], index: int, output_fo
                       ensure_ascii=False)
   return json.dumps(dict(source=source, outputs=[dict(text=t, score=s) for t, s in outputs]),
                     ensure_ascii=False)
+
+
+def run_attention(workdir: str, text: str, output_path: str, step: int | str | None = None,
+                  config: ml_collections.ConfigDict | None = None) -> str:
+  """Draws the attention of the model (config.attention_images: layers and heads of every
+  attention kind) on `text` and its output into one PNG at `output_path` (a local path or
+  URL); returns the output it drew."""
+  predictor = predict.Predictor.from_workdir(workdir, step, 1, config)
+  output, maps = predictor.attention_maps(text)
+  png = attention_maps.draw(attention_maps.chosen(maps, predictor.config.attention_images),
+                            predictor.tokenizer)
+  workdir_lib.write_atomic(workdir_lib.path(output_path), png)
+  return output

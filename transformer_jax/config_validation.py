@@ -8,6 +8,7 @@ all that needs fixing, not the first of them after an hour of training).
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import re
 from typing import Any
 
@@ -171,7 +172,7 @@ def _cross_key_problems(config: ml_collections.ConfigDict,
     if past_vocab:
       found.append(f"config.decoding.banned_ids {past_vocab} are not below "
                    f"config.model.vocab_size={m.vocab_size}")
-  found += _checkpointing_problems(config)
+  found += _run_record_problems(config)
   found += _rule_problems(config.parallel.logical_axis_rules)
   if config.parallel.mode == "jit" and device_count is not None:
     sizes = [config.parallel.data, config.parallel.fsdp, config.parallel.tensor]
@@ -186,8 +187,8 @@ def _cross_key_problems(config: ml_collections.ConfigDict,
   return found
 
 
-def _checkpointing_problems(config: ml_collections.ConfigDict) -> list[str]:
-  """Keep-best, early stopping and profiling settings."""
+def _run_record_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """Keep-best, early stopping, attention images and profiling settings."""
   found = []
   metric, mode = config.checkpoint_best_metric, config.checkpoint_best_mode
   if not isinstance(metric, str):
@@ -198,6 +199,23 @@ def _checkpointing_problems(config: ml_collections.ConfigDict) -> list[str]:
   if config.early_stopping_evals and not metric:
     found.append("config.early_stopping_evals needs config.checkpoint_best_metric (the metric "
                  "whose improvement it waits for)")
+  images = config.attention_images
+  if not all(isinstance(v, (list, tuple)) and all(
+      isinstance(i, int) and not isinstance(i, bool) for i in v)
+             for v in (images.layers, images.heads)):
+    found.append("config.attention_images.layers and .heads must be tuples of ints, e.g. "
+                 "(-1,) and (0,); layers=() draws none")
+  elif images.layers:
+    m = config.model
+    layers = min(m.num_layers, m.num_decoder_layers or m.num_layers)  # in every stack
+    if [i for i in images.layers if not -layers <= i < layers] or [
+        i for i in images.heads if not -m.num_heads <= i < m.num_heads]:
+      found.append(f"config.attention_images layers {tuple(images.layers)} / heads "
+                   f"{tuple(images.heads)} are out of range for {layers} layers and "
+                   f"{m.num_heads} heads")
+    elif importlib.util.find_spec("matplotlib") is None:
+      found.append("config.attention_images needs matplotlib: pip install matplotlib, or set "
+                   "config.attention_images.layers=()")
   profile = config.profile_steps
   if profile and not (isinstance(profile, (list, tuple)) and len(profile) == 2 and all(
       isinstance(v, int) and not isinstance(v, bool) for v in profile) and profile[0] >= 0

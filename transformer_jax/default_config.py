@@ -141,6 +141,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_split = "validation"
   # Examples generated (BLEU / ROUGE) at each evaluation; -1 = the whole split.
   config.num_generate_examples = 500
+  # Attention heatmaps written to TensorBoard at each evaluation, for the first generated
+  # example (and drawn by --mode attention): these layers and heads of every attention kind
+  # (negative: from the end). layers=() = none. Needs matplotlib.
+  config.attention_images = ml_collections.ConfigDict(dict(layers=(-1,), heads=(0,)))
   # Output generation for BLEU / ROUGE, evaluate and predict.
   config.decoding = ml_collections.ConfigDict(dict(
       # 'greedy', 'beam' or 'sample'.

@@ -84,6 +84,7 @@ class Evaluator:
     """Like `evaluate`, with every generated output as {source, output, reference}, in order
     (decoded with `decoding_config`, default the config's)."""
     self.decode_seconds = 0.0  # generation's share of this evaluation, for TensorBoard
+    self.first_generated = None  # (prompt, output ids) of the first generated example
     result = self.loss_and_accuracy(device_params, data)
     task = self.config.task
     n = len(data) if num_generate_examples < 0 or task == "classification" else min(
@@ -96,6 +97,7 @@ class Evaluator:
     output_ids = self.generator.output_ids(device_params, prompts,
                                            decoding_config=decoding_config)
     self.decode_seconds = time.perf_counter() - start
+    self.first_generated = (prompts[0], output_ids[0])
     outputs = [self.family.output_text(ids, self.tokenizer) for ids in output_ids]
     examples = [examples[i] for i in chosen]
     if task == "classification":

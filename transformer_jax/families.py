@@ -186,6 +186,15 @@ class Family(abc.ABC):
     """An output's text: detokenized ids (a classifier: the label name)."""
     return tokenizer.decode(ids)
 
+  # ---- Inspection -------------------------------------------------------------------------
+
+  @abc.abstractmethod
+  def attention_weights(self, params, prompt: np.ndarray, output: np.ndarray):
+    """Attention of one example, teacher-forced on its `prompt` and an `output` (token ids,
+    EOS included, no padding): every layer's weights [1, heads, queries, keys] by module path
+    (models.attention_weights), and per attention kind ('encoder_self', 'decoder_self',
+    'cross') the token ids its queries predict or read, and those of its keys."""
+
 
 class _SequenceFamily(Family):
   """A family that generates text token by token from a KV cache."""
@@ -236,27 +245,44 @@ class EncoderDecoder(_SequenceFamily):
         jnp.ones((batch_size, cache_len), jnp.int32), deterministic=True, decode=True)
     return _zeros(jax.eval_shape(init)["cache"])
 
-  def cached_tokens_to_logits(self, params, encoded: Array, source: Array):
-    """The decoding callback: next-token logits [n, vocab] from the decoder's KV cache."""
+  def encoded_key_value(self, params, encoded: Array, source: Array):
+    """Every decoder layer's cross-attention keys/values for `encoded` [b, src_len, emb]: the
+    'encoded_kv' collection, computed once per source (by one discarded decoder step)."""
     model = self.model
+    cache = self.init_cache(source.shape[0], source.shape[1], 1)
+    first = jnp.full((source.shape[0], 1), self.model_config.bos_id, jnp.int32)
+    _, variables = model.apply({"params": params, "cache": cache}, encoded, source, first,
+                               deterministic=True, decode=True, mutable=["cache", "encoded_kv"],
+                               method=model.decode)
+    return variables["encoded_kv"]
+
+  def cached_tokens_to_logits(self, params, encoded: Array, source: Array):
+    """The decoding callback: next-token logits [n, vocab] from the decoder's KV cache, for
+    n = a multiple of the b source rows (beams or samples of each source, row-major)."""
+    model = self.model
+    encoded_kv = self.encoded_key_value(params, encoded, source)
 
     def tokens_to_logits(ids, cache):
       logits, variables = model.apply(
-          {"params": params, "cache": cache}, encoded, source, ids, deterministic=True,
-          decode=True, mutable=["cache"], method=model.decode)
+          {"params": params, "cache": cache, "encoded_kv": encoded_kv}, encoded, source, ids,
+          deterministic=True, decode=True, mutable=["cache"], method=model.decode)
       return logits[:, -1], variables["cache"]
 
     return tokens_to_logits
 
+  def attention_weights(self, params, prompt, output):
+    weights = models.attention_weights(self.model, params, prompt[None], output[None])
+    decoder_inputs = np.asarray(models.shift_right(output[None], self.model_config.bos_id))[0]
+    return weights, {"encoder_self": (prompt, prompt), "decoder_self": (output, decoder_inputs),
+                     "cross": (output, prompt)}
+
   def start_decoding(self, params, inputs, rows, max_len):
+    # Beams and samples share their source's encoder output and cross-attention keys/values:
+    # nothing per source is copied per row.
     model = self.model
     encoded = model.apply({"params": params}, inputs, deterministic=True, method=model.encode)
-    source, copies = inputs, rows // inputs.shape[0]
-    if copies > 1:  # beams or samples: the callback sees [batch * copies] rows
-      encoded = decoding.flat_batch_beam_expand(encoded, copies)
-      source = decoding.flat_batch_beam_expand(inputs, copies)
     cache = self.init_cache(inputs.shape[0], inputs.shape[1], max_len)
-    return (cache, self.cached_tokens_to_logits(params, encoded, source),
+    return (cache, self.cached_tokens_to_logits(params, encoded, inputs),
             self.model_config.bos_id)
 
 
@@ -297,6 +323,12 @@ class DecoderOnly(_SequenceFamily):
     # The prompt and the output share the model's positions.
     return generate.max_decode_len(decoding_config, self.model_config, source_len,
                                    prompt_len=source_len)
+
+  def attention_weights(self, params, prompt, output):
+    tokens = np.concatenate([prompt, output])  # SOURCE <eos> TARGET <eos>, as in training
+    weights = models.attention_weights(self.model, params, tokens[None])
+    inputs = np.asarray(models.shift_right(tokens[None], self.model_config.bos_id))[0]
+    return weights, {"decoder_self": (tokens, inputs)}
 
   def init_cache(self, batch_size: int, cache_len: int):
     init = lambda: self.model.init(jax.random.PRNGKey(0),
@@ -381,6 +413,11 @@ class EncoderClassifier(Family):
     logits = self.model.apply({"params": params}, inputs, deterministic=True)
     scores, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32)), nbest)
     return ids[:, :, None], scores
+
+  def attention_weights(self, params, prompt, output):
+    del output  # a label: nothing attends to it
+    return (models.attention_weights(self.model, params, prompt[None]),
+            {"encoder_self": (prompt, prompt)})
 
   def output_text(self, ids, tokenizer):
     names, label = self.config.label_names, int(ids[0])

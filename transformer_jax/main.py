@@ -3,6 +3,7 @@
   python -m transformer_jax.main --config configs/demo.py --workdir runs/demo
   python -m transformer_jax.main --workdir runs/demo --mode evaluate
   python -m transformer_jax.main --workdir runs/demo --mode predict --input in.txt --output -
+  python -m transformer_jax.main --workdir runs/demo --mode attention --text "..." --output a.png
 
 Several hosts (see launch/): add --multihost on Cloud TPU VMs and under SLURM, or
 --coordinator_address=HOST0:PORT --num_processes=N --process_id=I everywhere else.
@@ -21,15 +22,20 @@ from absl import logging
 from ml_collections import config_flags
 
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, tokenizer and config.")
-flags.DEFINE_enum("mode", "train", ["train", "evaluate", "predict"], "What to do.")
-flags.DEFINE_integer("checkpoint_step", None, "evaluate / predict: this step, not the latest.")
+flags.DEFINE_enum("mode", "train", ["train", "evaluate", "predict", "attention"], "What to do: "
+                  "train, score a split, answer inputs, or draw attention heatmaps.")
+flags.DEFINE_integer("checkpoint_step", None, "evaluate / predict / attention: this step, not "
+                     "the latest.")
 flags.DEFINE_enum("checkpoint", "latest", ["latest", "best"], "evaluate / predict: 'latest' "
                   "(or --checkpoint_step), or 'best': the best evaluation's, kept when training "
                   "with config.checkpoint_best_metric.")
 flags.DEFINE_integer("average_last", 1, "evaluate / predict: average the parameters of the last "
                      "N checkpoints (up to --checkpoint_step), as the paper does with 5 or 20.")
 flags.DEFINE_string("input", "-", "predict: a file with one source text per line, - = stdin.")
-flags.DEFINE_string("output", "-", "predict: where outputs go, one per line, - = stdout.")
+flags.DEFINE_string("output", "-", "predict: where outputs go, one per line, - = stdout. "
+                    "attention: the PNG to write.")
+flags.DEFINE_string("text", None, "attention: the source text whose attention (with the "
+                    "model's output) is drawn; config.attention_images picks layers and heads.")
 flags.DEFINE_string("split", "test", "evaluate: the split to score (validation, test, or any "
                     "key of config.splits).")
 flags.DEFINE_integer("nbest", 1, "predict: outputs per input, best first (beam search: up to "
@@ -163,6 +169,13 @@ def _run() -> None:
                                    average_last=flags.FLAGS.average_last,
                                    config=_inference_config())
     print(json.dumps(result), flush=True)
+  elif flags.FLAGS.mode == "attention":
+    if not flags.FLAGS.text or flags.FLAGS.output == "-":
+      raise app.UsageError('--mode attention needs --text "a source sentence" and --output '
+                           "FILE.png.")
+    output = commands.run_attention(workdir, flags.FLAGS.text, flags.FLAGS.output, _checkpoint(),
+                                    config=_inference_config())
+    print(f"Attention over the output {output!r} drawn in {flags.FLAGS.output}", flush=True)
   else:
     commands.run_predict(workdir, flags.FLAGS.input, flags.FLAGS.output,
                          _checkpoint(), flags.FLAGS.average_last,
@@ -182,7 +195,8 @@ def _flag_value(argv: list[str], name: str) -> str | None:
 def with_saved_config(argv: list[str]) -> list[str]:
   """Evaluate / predict without --config read the workdir's saved config (so that
   --config.decoding.* overrides apply to it)."""
-  if _flag_value(argv, "mode") in ("evaluate", "predict") and _flag_value(argv, "config") is None:
+  if (_flag_value(argv, "mode") in ("evaluate", "predict", "attention")
+      and _flag_value(argv, "config") is None):
     workdir = _flag_value(argv, "workdir")
     if workdir:
       # Before the overrides: absl defines --config.* flags when it parses --config.

@@ -220,7 +220,8 @@ class DecoderLayer(nn.Module):
     if encoded is not None:
       cross_attention = _attention(c, "cross_attention", c.cross_attention_score)
       y = residual("cross_attention_block")(
-          y, lambda h: cross_attention(h, encoded, cross_mask, deterministic=deterministic),
+          y, lambda h: cross_attention(h, encoded, cross_mask, deterministic=deterministic,
+                                       decode=decode),
           deterministic=deterministic)
     ffn = _ffn(c)
     return residual("ffn_block")(y, lambda h: ffn(h, deterministic=deterministic),
@@ -321,7 +322,9 @@ class EncoderDecoder(nn.Module):
 
     Training (`decode=False`): `targets` are the gold outputs, shifted right here. Decoding
     (`decode=True`): `targets` are the decoder's input tokens for this call (bos first; one
-    or several), and the self-attention KV cache supplies causality.
+    or several), and the self-attention KV cache supplies causality. Cross-attention keys and
+    values come from the 'encoded_kv' collection when it is given (a call with it mutable
+    fills it); `targets` may then hold several rows (beams) per source row.
     """
     c = self.config
     if decode:

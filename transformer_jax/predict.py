@@ -17,6 +17,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from transformer_jax import attention_maps as attention_maps_lib
 from transformer_jax import checkpoints
 from transformer_jax import config_validation
 from transformer_jax import families
@@ -124,6 +125,18 @@ class Predictor:
                                                  with_scores=True)):
       outputs[i] = [(self.output_text(ids), score) for ids, score in pairs]
     return outputs
+
+  def attention_maps(self, text: str) -> tuple[str, list[attention_maps_lib.AttentionMap]]:
+    """The model's output for `text` (decoded with config.decoding), and every attention
+    layer's weights over the two, with their tokens."""
+    prompts = self._prompts([text])
+    if not prompts:
+      raise ValueError("The text to draw attention for is empty.")
+    prompt = prompts[0]
+    output = self.output_ids([prompt])[0]
+    params = self.layout.checkpoint_state(self.device_params)  # one copy of the parameters
+    return (self.output_text(output),
+            attention_maps_lib.collect(self.family, params, prompt, output))
 
   def predict_lines(self, lines: Iterable[str], chunk_size: int = 1024) -> Iterator[str]:
     """Streams outputs for `lines`, `chunk_size` at a time, never holding the whole input."""

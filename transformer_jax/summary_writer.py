@@ -11,6 +11,7 @@ one started, and TensorBoard reads them in order).
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 from typing import Any, Mapping
@@ -40,8 +41,8 @@ class _Records:
 
 
 class EventFileWriter:
-  """Scalars and texts as TensorBoard events under `logdir`; the method names are those of
-  clu's MetricWriter (whose package imports TensorFlow)."""
+  """Scalars, texts, hparams and PNG images as TensorBoard events under `logdir`; the method
+  names are those of clu's MetricWriter (whose package imports TensorFlow)."""
 
   def __init__(self, logdir: str, max_object_bytes: int = 8 << 20):
     self._logdir = workdir_lib.path(logdir)
@@ -80,6 +81,13 @@ class EventFileWriter:
             tensor_shape=tensor_shape_pb2.TensorShapeProto()))
                               for tag, text in texts.items()])
 
+  def write_pngs(self, step: int, images: Mapping[str, bytes]) -> None:
+    """Images (PNG-encoded) for TensorBoard's Images tab. (clu's write_images takes pixel
+    arrays; the heatmaps here come from matplotlib already encoded.)"""
+    self._write_values(step, [summary_pb2.Summary.Value(tag=tag, image=summary_pb2.Summary.Image(
+        height=_png_size(png)[1], width=_png_size(png)[0], colorspace=4,
+        encoded_image_string=png)) for tag, png in images.items()])
+
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
     """`hparams` (flat: key -> value) for TensorBoard's HParams tab, at step 0. Values other
     than bool, int, float and str (lists, None) are written as their text."""
@@ -89,19 +97,19 @@ class EventFileWriter:
     self._write_event(event_pb2.Event(wall_time=time.time(), step=0, summary=summary))
 
   def write_summaries(self, step, values, metadata=None):
-    raise NotImplementedError("EventFileWriter writes scalars, texts and hparams only.")
+    raise NotImplementedError("EventFileWriter writes scalars, texts, hparams and PNGs only.")
 
   def write_images(self, step, images):
-    raise NotImplementedError("EventFileWriter writes scalars, texts and hparams only.")
+    raise NotImplementedError("EventFileWriter writes scalars, texts, hparams and PNGs only.")
 
   def write_videos(self, step, videos):
-    raise NotImplementedError("EventFileWriter writes scalars, texts and hparams only.")
+    raise NotImplementedError("EventFileWriter writes scalars, texts, hparams and PNGs only.")
 
   def write_audios(self, step, audios, *, sample_rate):
-    raise NotImplementedError("EventFileWriter writes scalars, texts and hparams only.")
+    raise NotImplementedError("EventFileWriter writes scalars, texts, hparams and PNGs only.")
 
   def write_histograms(self, step, arrays, num_buckets=None):
-    raise NotImplementedError("EventFileWriter writes scalars, texts and hparams only.")
+    raise NotImplementedError("EventFileWriter writes scalars, texts, hparams and PNGs only.")
 
   def flush(self) -> None:
     with self._lock:
@@ -122,11 +130,17 @@ class EventFileWriter:
     self.flush()
 
 
+def _png_size(png: bytes) -> tuple[int, int]:
+  """(width, height) from a PNG's header."""
+  return struct.unpack(">II", png[16:24])
+
+
 class _NoWriter:
   """What processes other than 0 write: nothing."""
 
   def write_scalars(self, step, scalars): pass
   def write_texts(self, step, texts): pass
+  def write_pngs(self, step, images): pass
   def write_hparams(self, hparams): pass
   def flush(self): pass
   def close(self): pass

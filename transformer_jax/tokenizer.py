@@ -41,6 +41,10 @@ class Tokenizer:
       ids = ids[:ids.index(EOS_ID)]
     return self._sp.decode([i for i in ids if i > UNK_ID])
 
+  def id_to_piece(self, token_id: int) -> str:
+    """The piece an id stands for, e.g. '▁Haus' (a word start), '</s>' (EOS) or '<pad>'."""
+    return self._sp.id_to_piece(int(token_id))
+
   def save(self, path: str | os.PathLike) -> None:
     """Writes the model to a local path or URL; a killed run never leaves half a file."""
     workdir_lib.write_atomic(workdir_lib.path(path), self.model_proto)

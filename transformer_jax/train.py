@@ -19,6 +19,7 @@ from absl import logging
 from flax.training import train_state
 from jax.experimental import multihost_utils
 
+from transformer_jax import attention_maps
 from transformer_jax import checkpoints
 from transformer_jax import config_validation
 from transformer_jax import evaluation
@@ -374,6 +375,13 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
                                          decode_time_s=evaluator.decode_seconds))
     if samples:
       eval_writer.write_texts(step, {"samples": "\n\n---\n\n".join(samples)})
+    if config.attention_images.layers and evaluator.first_generated is not None:
+      # Every process runs the forward pass (its arrays may span them); process 0 draws.
+      maps = attention_maps.collect(family, layout.checkpoint_state(state.params),
+                                    *evaluator.first_generated)
+      if is_chief:
+        eval_writer.write_pngs(step, attention_maps.tensorboard_images(
+            maps, config.attention_images, tokenizer))
     eval_writer.flush()
     logging.info("step %d eval (%.1f s): %s", step, time.time() - start,
                  ", ".join(f"{k} {v:.4f}" for k, v in sorted(result.items())))
