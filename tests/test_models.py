@@ -45,11 +45,12 @@ def test_cached_decoding_equals_full_forward(pre_ln):
   decoder_inputs = models.shift_right(targets, config.bos_id)
   encoded = model.apply({"params": params}, inputs, deterministic=True, method=model.encode)
   cache = _family().init_cache(2, inputs.shape[1], targets.shape[1])
+  step = jax.jit(lambda cache, ids: model.apply(
+      {"params": params, "cache": cache}, encoded, inputs, ids, deterministic=True, decode=True,
+      mutable=["cache"], method=model.decode))  # one compile, not op-by-op for every step
   stepwise = []
   for t in range(targets.shape[1]):
-    logits, variables = model.apply({"params": params, "cache": cache}, encoded, inputs,
-                                    decoder_inputs[:, t:t + 1], deterministic=True, decode=True,
-                                    mutable=["cache"], method=model.decode)
+    logits, variables = step(cache, decoder_inputs[:, t:t + 1])
     cache = variables["cache"]
     stepwise.append(logits[:, 0])
   stepwise = jnp.stack(stepwise, axis=1)

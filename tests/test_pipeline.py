@@ -111,3 +111,16 @@ def test_demo_splits_are_deterministic_and_disjoint():
   assert a == demo.generate_splits(300, 50, 50, seed=4)
   sources = [{s for s, _ in a[split]} for split in ("train", "validation", "test")]
   assert sum(map(len, sources)) == len(set.union(*sources)) == 400
+
+
+def test_epoch_rows_are_packed_as_they_are_read():
+  rng = np.random.default_rng(0)
+  sequences = [rng.integers(3, 50, rng.integers(1, 9)) for _ in range(3 * pipeline.EpochRows.CHUNK)]
+  data = pipeline.Encoded({"inputs": sequences}, {"inputs": 16})
+  order = rng.permutation(len(sequences))
+  whole = pipeline.pack_rows(data, order)
+  lazy = pipeline.EpochRows(data, order, pack=True)
+  assert lazy.take(0, 10) == whole[:10]
+  assert not lazy.complete  # a start reads ten rows: the rest of the epoch is not packed yet
+  assert lazy.take(len(whole) - 5, 10) == whole[-5:]  # a resume near the end, and the end
+  assert lazy.complete and lazy.rows == whole

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import time
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from absl import logging
 
 from transformer_jax import decoding
 from transformer_jax import default_config
@@ -137,20 +139,33 @@ class Family(abc.ABC):
     max_target_length: truncated, or left out with `drop_overlong` (training with
     config.overlong='drop')."""
     max_source, max_target = self.config.max_source_length, self.config.max_target_length
-    features: dict[str, list[np.ndarray]] = {name: [] for name in self.feature_lengths()}
+    # Per feature, one Ragged per chunk: memory holds arrays, not an object per example.
+    features: dict[str, list[pipeline.Ragged]] = {name: [] for name in self.feature_lengths()}
     labels, overlong = [], 0
-    for example in examples:
-      source = tokenizer.encode(example["source"])
-      target = tokenizer.encode(example["target"]) if self.generates_text else []
-      too_long = len(source) + 1 > max_source or len(target) + 1 > max_target
-      overlong += too_long
-      if too_long and drop_overlong:
-        continue
-      for feature, value in self._features(source, target).items():
-        features[feature].append(value)
-      if not self.generates_text:
-        labels.append(example["label"])
-    return pipeline.Encoded(features, self.feature_lengths(), self._labels(labels)), overlong
+    progress = _Progress(len(examples))
+    for start in range(0, len(examples), ENCODE_CHUNK):
+      chunk = examples[start:start + ENCODE_CHUNK]
+      sources = tokenizer.encode_batch([e["source"] for e in chunk])
+      targets = (tokenizer.encode_batch([e["target"] for e in chunk]) if self.generates_text
+                 else [[]] * len(chunk))
+      chunk_features: dict[str, list[np.ndarray]] = {name: [] for name in features}
+      for example, source, target in zip(chunk, sources, targets):
+        too_long = len(source) + 1 > max_source or len(target) + 1 > max_target
+        overlong += too_long
+        if too_long and drop_overlong:
+          continue
+        for feature, value in self._features(source, target).items():
+          chunk_features[feature].append(value)
+        if not self.generates_text:
+          labels.append(example["label"])
+      for feature, values in chunk_features.items():
+        features[feature].append(pipeline.Ragged.from_sequences(
+            values, np.float32 if feature == "weights" else np.int32))
+      progress.update(start + len(chunk))
+    return pipeline.Encoded(
+        {name: pipeline.Ragged.concatenate(parts, np.float32 if name == "weights" else np.int32)
+         for name, parts in features.items()},
+        self.feature_lengths(), self._labels(labels)), overlong
 
   @abc.abstractmethod
   def feature_lengths(self) -> dict[str, int]:
@@ -194,6 +209,25 @@ class Family(abc.ABC):
     EOS included, no padding): every layer's weights [1, heads, queries, keys] by module path
     (models.attention_weights), and per attention kind ('encoder_self', 'decoder_self',
     'cross') the token ids its queries predict or read, and those of its keys."""
+
+
+ENCODE_CHUNK = 100_000  # examples tokenized per batch call
+
+
+class _Progress:
+  """Logs encoding progress with an ETA, about every 10% of a split of more than a chunk."""
+
+  def __init__(self, total: int):
+    self.total, self.start, self.next_report = total, time.perf_counter(), 0.1
+
+  def update(self, done: int) -> None:
+    if self.total <= ENCODE_CHUNK or done / self.total < self.next_report:
+      return
+    elapsed = time.perf_counter() - self.start
+    logging.info("Encoded %s of %s examples (%.0f%%), %.0f s, ETA %.0f s.", f"{done:,}",
+                 f"{self.total:,}", 100 * done / self.total, elapsed,
+                 elapsed * (self.total - done) / done)
+    self.next_report = done / self.total + 0.1
 
 
 class _SequenceFamily(Family):

@@ -34,6 +34,10 @@ class Tokenizer:
   def encode(self, text: str) -> list[int]:
     return self._sp.encode(text)
 
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    """`encode` of every text, on all cores (SentencePiece's own threads)."""
+    return self._sp.encode(list(texts), num_threads=os.cpu_count() or 1)
+
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
     """Decodes up to the first EOS; padding and reserved ids are dropped."""
     ids = [int(i) for i in ids]

@@ -37,6 +37,7 @@ from transformer_jax import workdir as workdir_lib
 from transformer_jax.data import examples as examples_lib
 from transformer_jax.data import pipeline
 from transformer_jax.data import sources
+from transformer_jax.data import token_cache
 
 
 class NonFiniteLossError(RuntimeError):
@@ -96,15 +97,35 @@ def _new_tokenizer(config: ml_collections.ConfigDict,
 
 
 def prepare_data(config: ml_collections.ConfigDict, workdir: str, splits=sources.SPLITS):
-  """Examples of `splits`, the workdir's tokenizer (made on first use), token features."""
+  """Examples of `splits`, the workdir's tokenizer (made on first use), token features.
+
+  The training split's features come from the workdir's token cache (data/token_cache.py)
+  when it holds them for this tokenizer, config and data; its examples are then not read at
+  all. Otherwise they are encoded and process 0 caches them. `examples` never holds the
+  training split (its texts would stay in memory for the whole run).
+  """
+  family = families.get(config)
+  cache_entry = lambda tokenizer: token_cache.entry(workdir, "train", token_cache.key(
+      config, family.name, family.feature_lengths(), tokenizer.model_proto, "train"))
   # The training split is read for the tokenizer only when the workdir has none yet.
   needs_train = not (config.tokenizer.path or workdir_lib.tokenizer_path(workdir).exists())
-  examples = examples_lib.load_examples(config, sorted(set(splits) | ({"train"} if needs_train
-                                                                  else set())))
-  tokenizer = load_tokenizer(config, workdir, examples.get("train", []))
-  family = families.get(config)
+  tokenizer = None if needs_train else load_tokenizer(config, workdir, [])
+  cached = None
+  if "train" in splits and tokenizer is not None:
+    cached = token_cache.load(cache_entry(tokenizer))
+    if cached is not None:
+      logging.info("Training data: %s examples from the token cache %s.", f"{len(cached):,}",
+                   cache_entry(tokenizer))
+  to_read = (set(splits) - ({"train"} if cached is not None else set())) | (
+      {"train"} if needs_train else set())
+  examples = examples_lib.load_examples(config, sorted(to_read))
+  if tokenizer is None:
+    tokenizer = load_tokenizer(config, workdir, examples["train"])
   encoded = {}
   for split in splits:
+    if split == "train" and cached is not None:
+      encoded[split] = cached
+      continue
     # Only training may drop examples: an evaluation must score every reference.
     drop = split == "train" and config.overlong == "drop"
     encoded[split], overlong = family.encode_examples(examples[split], tokenizer,
@@ -114,6 +135,9 @@ def prepare_data(config: ml_collections.ConfigDict, workdir: str, splits=sources
                       "max_target_length=%d tokens were %s.", split, overlong,
                       len(examples[split]), config.max_source_length, config.max_target_length,
                       "dropped" if drop else "truncated")
+    if split == "train" and jax.process_index() == 0:
+      token_cache.save(cache_entry(tokenizer), encoded[split])
+  examples.pop("train", None)  # millions of texts, needed by nobody once encoded
   return examples, tokenizer, encoded
 
 

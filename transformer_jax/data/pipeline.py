@@ -19,23 +19,74 @@ import numpy as np
 from transformer_jax import tokenizer as tokenizer_lib
 
 
+class Ragged:
+  """Sequences of different lengths in one flat array: item i is values[offsets[i]:offsets[i +
+  1]]. Millions of examples cost two arrays, not millions of objects, and the arrays can be
+  memory-mapped from the token cache (data/token_cache.py)."""
+
+  def __init__(self, values: np.ndarray, offsets: np.ndarray):
+    self.values, self.offsets = values, offsets
+
+  @classmethod
+  def from_sequences(cls, sequences: Sequence[Sequence], dtype=np.int32) -> "Ragged":
+    lengths = np.fromiter((len(s) for s in sequences), np.int64, len(sequences))
+    offsets = np.zeros(len(sequences) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = (np.concatenate([np.asarray(s, dtype) for s in sequences]) if len(sequences)
+              else np.zeros(0, dtype))
+    return cls(values.astype(dtype, copy=False), offsets)
+
+  @classmethod
+  def concatenate(cls, parts: Sequence["Ragged"], dtype=np.int32) -> "Ragged":
+    """The items of `parts`, one after another."""
+    if not parts:
+      return cls(np.zeros(0, dtype), np.zeros(1, np.int64))
+    starts = np.cumsum([0] + [len(p.values) for p in parts[:-1]])
+    offsets = np.concatenate([parts[0].offsets[:1]] + [
+        p.offsets[1:] - p.offsets[0] + start for p, start in zip(parts, starts)])
+    return cls(np.concatenate([p.values for p in parts]).astype(dtype, copy=False), offsets)
+
+  def __len__(self) -> int:
+    return len(self.offsets) - 1
+
+  def __getitem__(self, i: int) -> np.ndarray:
+    if not -len(self) <= i < len(self):
+      raise IndexError(f"item {i} of {len(self)}")
+    i %= len(self)
+    return self.values[self.offsets[i]:self.offsets[i + 1]]
+
+  def __iter__(self) -> Iterator[np.ndarray]:
+    return (self[i] for i in range(len(self)))
+
+  def lengths(self) -> np.ndarray:
+    return np.diff(self.offsets)
+
+  def take(self, indices: Sequence[int]) -> "Ragged":
+    return Ragged.from_sequences([self[int(i)] for i in indices], self.values.dtype)
+
+
 @dataclasses.dataclass
 class Encoded:
-  """Unpadded token sequences per feature, and the padded length of each feature.
+  """Unpadded token sequences per feature (lists or `Ragged`, stored as `Ragged`), and the
+  padded length of each feature.
 
   Features: 'inputs' (encoder), 'targets' (decoder), 'weights' (per-token loss weights
   aligned with 'targets'; absent = every non-padding target token counts), and 'labels'
   (one class id per example).
   """
-  features: dict[str, list[np.ndarray]]
+  features: dict[str, Ragged]
   lengths: dict[str, int]
   labels: np.ndarray | None = None
+
+  def __post_init__(self):
+    self.features = {name: f if isinstance(f, Ragged) else Ragged.from_sequences(
+        f, np.float32 if name == "weights" else np.int32) for name, f in self.features.items()}
 
   def __len__(self) -> int:
     return len(next(iter(self.features.values())))
 
   def subset(self, indices: Sequence[int]) -> "Encoded":
-    return Encoded({k: [v[i] for i in indices] for k, v in self.features.items()},
+    return Encoded({k: v.take(indices) for k, v in self.features.items()},
                    self.lengths, None if self.labels is None else self.labels[list(indices)])
 
 
@@ -93,17 +144,51 @@ def pad_rows(data: Encoded, rows: Sequence[Sequence[int]], pack: bool) -> dict[s
 def pack_rows(data: Encoded, order: Sequence[int]) -> list[list[int]]:
   """Greedy sequential packing: examples in `order` fill a row until the next does not fit in
   every feature's length, then a new row starts. Deterministic, keeps the shuffled order."""
-  rows, current, used = [], [], {name: 0 for name in data.features}
-  for i in order:
-    sizes = {name: len(data.features[name][i]) for name in data.features}
-    if current and any(used[n] + sizes[n] > data.lengths[n] for n in sizes):
-      rows.append(current)
-      current, used = [], {name: 0 for name in data.features}
-    current.append(int(i))
-    used = {n: used[n] + sizes[n] for n in sizes}
-  if current:
-    rows.append(current)
-  return rows
+  rows = EpochRows(data, np.asarray(order), pack=True)
+  rows.ensure(len(order))
+  return rows.rows
+
+
+class EpochRows:
+  """One epoch's rows, made as they are asked for: a start (or a resume at row R) packs only
+  the rows up to where it reads, not the whole epoch first (seconds at millions of examples)."""
+  CHUNK = 4096  # examples packed per step of `ensure`
+
+  def __init__(self, data: Encoded, order: np.ndarray, pack: bool):
+    self.order, self.pack = order, pack
+    self.rows: list[list[int]] = []
+    self._next = 0  # the next position in `order` to place
+    if pack:
+      # Per example, its length in every feature, as plain ints for the Python loop below.
+      self._sizes = np.stack([f.lengths() for f in data.features.values()], axis=1)
+      self._limits = [data.lengths[name] for name in data.features]
+      self._current, self._used = [], [0] * len(self._limits)
+
+  @property
+  def complete(self) -> bool:
+    return self._next >= len(self.order)
+
+  def ensure(self, num_rows: int) -> None:
+    """Makes rows until there are `num_rows` or the epoch's examples are used up."""
+    while len(self.rows) < num_rows and not self.complete:
+      chunk = self.order[self._next:self._next + self.CHUNK]
+      self._next += len(chunk)
+      if not self.pack:
+        self.rows.extend([i] for i in chunk.tolist())
+        continue
+      for i, size in zip(chunk.tolist(), self._sizes[chunk].tolist()):
+        if self._current and any(u + s > m for u, s, m in zip(self._used, size, self._limits)):
+          self.rows.append(self._current)
+          self._current, self._used = [], [0] * len(self._limits)
+        self._current.append(i)
+        self._used = [u + s for u, s in zip(self._used, size)]
+      if self.complete and self._current:
+        self.rows.append(self._current)
+
+  def take(self, start: int, count: int) -> list[list[int]]:
+    """Rows start .. start + count (fewer at the end of the epoch)."""
+    self.ensure(start + count)
+    return self.rows[start:start + count]
 
 
 class TrainBatches:
@@ -127,7 +212,7 @@ class TrainBatches:
     self.local_batch_size = global_batch_size // process_count
     self.process_index = process_index
     self.epoch, self.row = 0, 0
-    self._rows_epoch, self._rows = -1, []
+    self._rows_epoch, self._rows = -1, None
 
   @property
   def state(self) -> dict[str, int]:
@@ -136,11 +221,11 @@ class TrainBatches:
   def restore(self, state: dict[str, int]) -> None:
     self.epoch, self.row = int(state["epoch"]), int(state["row"])
 
-  def epoch_rows(self, epoch: int) -> list[list[int]]:
+  def epoch_rows(self, epoch: int) -> EpochRows:
     """The rows of `epoch`: a permutation seeded by (seed, epoch), packed or one per row."""
     if epoch != self._rows_epoch:  # keep one epoch: memory stays flat
       order = np.random.default_rng([self.seed, epoch]).permutation(len(self.data))
-      self._rows = pack_rows(self.data, order) if self.pack else [[int(i)] for i in order]
+      self._rows = EpochRows(self.data, order, self.pack)
       self._rows_epoch = epoch
     return self._rows
 
@@ -152,10 +237,11 @@ class TrainBatches:
     rows = []
     while len(rows) < self.global_batch_size:
       epoch_rows = self.epoch_rows(self.epoch)
-      take = epoch_rows[self.row:self.row + self.global_batch_size - len(rows)]
+      take = epoch_rows.take(self.row, self.global_batch_size - len(rows))
       rows.extend(take)
       self.row += len(take)
-      if self.row >= len(epoch_rows):
+      epoch_rows.ensure(self.row + 1)  # is there a row after these?
+      if epoch_rows.complete and self.row >= len(epoch_rows.rows):
         self.epoch, self.row = self.epoch + 1, 0
     start = self.process_index * self.local_batch_size
     return pad_rows(self.data, rows[start:start + self.local_batch_size], self.pack)
