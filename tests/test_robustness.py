@@ -131,10 +131,11 @@ def test_bad_settings_are_refused_before_the_workdir_is_made(tmp_path, data_cach
 
 @pytest.fixture
 def small_disk(tmp_path):
-  """A 1.4 MB file system: room for two checkpoints of the tiny model, not three."""
+  """A 1.9 MB file system: room for the tiny run's token cache (340 KB) and two checkpoints of
+  the tiny model, not three."""
   disk = tmp_path / "disk"
   disk.mkdir()
-  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1400k", "tmpfs", str(disk)],
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1900k", "tmpfs", str(disk)],
                     capture_output=True).returncode:
     pytest.skip("mounting a small tmpfs needs root")
   yield str(disk)

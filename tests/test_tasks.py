@@ -211,8 +211,8 @@ def test_multitask_mixture_trains_and_scores_each_part(tmp_path):
   config.decoding.update(method="greedy", max_decode_len=6)
   config.model.update(TINY, vocab_size=60)
   os.makedirs(tmp_path / "run")
-  examples, _, _ = train.prepare_data(config, str(tmp_path / "run"), ("train", "test"))
-  assert len(examples["train"]) == 30 + 20 and len(examples["test"]) == 5 + 6
+  examples, _, encoded = train.prepare_data(config, str(tmp_path / "run"), ("train", "test"))
+  assert len(encoded["train"]) == 30 + 20 and len(examples["test"]) == 5 + 6
   assert {e["target"] for e in examples["test"] if e["task"] == "sentiment"} <= {"bad", "good"}
   assert examples["test"][0]["source"].startswith(("sentiment: ", "translate: "))
   result = train.train_and_evaluate(config, str(tmp_path / "run"))

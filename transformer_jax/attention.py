@@ -153,7 +153,7 @@ class MultiHeadAttention(nn.Module):
   the 'intermediates' collection (see `models.attention_weights`).
 
   In decode mode self-attention keys and values are kept in a 'cache' collection of
-  shape [b, max_len, h, d]: a call with n new tokens writes them at `cache_index` and attends
+  shape [b, h, max_len, d] (heads-major): a call with n new tokens writes them at `cache_index` and attends
   causally over everything written so far, so a prefix is filled in one call and then extended
   one token per call. The cache is created by an `init` in decode mode on inputs of the full
   decode length. Cross-attention keys/values are projected once per source and kept in an
