@@ -160,10 +160,10 @@ class Family(abc.ABC):
           labels.append(example["label"])
       for feature, values in chunk_features.items():
         features[feature].append(pipeline.Ragged.from_sequences(
-            values, np.float32 if feature == "weights" else np.int32))
+            values, pipeline.feature_dtype(feature)))
       progress.update(start + len(chunk))
     return pipeline.Encoded(
-        {name: pipeline.Ragged.concatenate(parts, np.float32 if name == "weights" else np.int32)
+        {name: pipeline.Ragged.concatenate(parts, pipeline.feature_dtype(name))
          for name, parts in features.items()},
         self.feature_lengths(), self._labels(labels)), overlong
 

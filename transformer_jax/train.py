@@ -110,17 +110,18 @@ def prepare_data(config: ml_collections.ConfigDict, workdir: str, splits=sources
   # The training split is read for the tokenizer only when the workdir has none yet.
   needs_train = not (config.tokenizer.path or workdir_lib.tokenizer_path(workdir).exists())
   tokenizer = None if needs_train else load_tokenizer(config, workdir, [])
-  cached = None
-  if "train" in splits and tokenizer is not None:
-    cached = token_cache.load(cache_entry(tokenizer))
-    if cached is not None:
-      logging.info("Training data: %s examples from the token cache %s.", f"{len(cached):,}",
-                   cache_entry(tokenizer))
+  # The cache entry of the training split, once the tokenizer is known (its key hashes it).
+  entry = cache_entry(tokenizer) if tokenizer is not None and "train" in splits else None
+  cached = token_cache.load(entry) if entry is not None else None
+  if cached is not None:
+    logging.info("Training data: %s examples from the token cache %s.", f"{len(cached):,}",
+                 entry)
   to_read = (set(splits) - ({"train"} if cached is not None else set())) | (
       {"train"} if needs_train else set())
   examples = examples_lib.load_examples(config, sorted(to_read))
   if tokenizer is None:
     tokenizer = load_tokenizer(config, workdir, examples["train"])
+    entry = cache_entry(tokenizer) if "train" in splits else None
   encoded = {}
   for split in splits:
     if split == "train" and cached is not None:
@@ -136,7 +137,7 @@ def prepare_data(config: ml_collections.ConfigDict, workdir: str, splits=sources
                       len(examples[split]), config.max_source_length, config.max_target_length,
                       "dropped" if drop else "truncated")
     if split == "train" and jax.process_index() == 0:
-      token_cache.save(cache_entry(tokenizer), encoded[split])
+      token_cache.save(entry, encoded[split])
   examples.pop("train", None)  # millions of texts, needed by nobody once encoded
   return examples, tokenizer, encoded
 

@@ -19,6 +19,11 @@ import numpy as np
 from transformer_jax import tokenizer as tokenizer_lib
 
 
+def feature_dtype(name: str):
+  """Loss weights are float32; every token feature is int32."""
+  return np.float32 if name == "weights" else np.int32
+
+
 class Ragged:
   """Sequences of different lengths in one flat array: item i is values[offsets[i]:offsets[i +
   1]]. Millions of examples cost two arrays, not millions of objects, and the arrays can be
@@ -80,7 +85,7 @@ class Encoded:
 
   def __post_init__(self):
     self.features = {name: f if isinstance(f, Ragged) else Ragged.from_sequences(
-        f, np.float32 if name == "weights" else np.int32) for name, f in self.features.items()}
+        f, feature_dtype(name)) for name, f in self.features.items()}
 
   def __len__(self) -> int:
     return len(next(iter(self.features.values())))
@@ -120,7 +125,7 @@ def pad_rows(data: Encoded, rows: Sequence[Sequence[int]], pack: bool) -> dict[s
   """
   batch = {}
   for name, sequences in data.features.items():
-    dtype = np.float32 if name == "weights" else np.int32
+    dtype = feature_dtype(name)
     values = np.zeros((len(rows), data.lengths[name]), dtype)
     segmentation = np.zeros((len(rows), data.lengths[name]), np.int32)
     positions = np.zeros((len(rows), data.lengths[name]), np.int32)
