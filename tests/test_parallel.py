@@ -51,12 +51,11 @@ print("RESULT", json.dumps(result))
 """
 
 
-def _train(workdir, cache, devices, overrides, processes=1, dump_step=None):
-  """Trains the tiny config (dropout off) in `processes` processes of `devices` devices."""
+def _run(script, devices, processes=1):
+  """Runs `script` in `processes` processes of `devices` CPU devices (jax.distributed over
+  gloo on localhost when several); returns each one's JSON line after "RESULT"."""
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
              JAX_PLATFORMS="cpu")
-  script = _TRAIN.format(root=ROOT, cache=cache, overrides=overrides, workdir=str(workdir),
-                         dump_step=dump_step)
   prefix = [""]
   if processes > 1:
     with socket.socket() as s:
@@ -69,10 +68,72 @@ def _train(workdir, cache, devices, overrides, processes=1, dump_step=None):
   outputs = [r.communicate(timeout=600) for r in runs]
   for run, (_, err) in zip(runs, outputs):
     assert run.returncode == 0, err[-3000:]
-  results = [json.loads(out.split("RESULT", 1)[1]) for out, _ in outputs]
+  return [json.loads(out.split("RESULT", 1)[1]) for out, _ in outputs]
+
+
+def _train(workdir, cache, devices, overrides, processes=1, dump_step=None):
+  """Trains the tiny config (dropout off) in `processes` processes of `devices` devices.
+
+  The training split is read as 2 shards: one process reads both, two processes (by default,
+  one shard per process) one each, and the global batches are the same.
+  """
+  overrides = {"data_shards": 2, **overrides} if processes == 1 else overrides
+  script = _TRAIN.format(root=ROOT, cache=cache, overrides=overrides, workdir=str(workdir),
+                         dump_step=dump_step)
+  results = _run(script, devices, processes)
   for other in results[1:]:
     assert other == results[0]  # every process reports the same global metrics
   return results[0]
+
+
+_READ_SHARDS = """
+import json, os, sys
+import numpy as np
+sys.path.insert(0, {root!r})
+from tests.conftest import make_tiny_config
+from transformer_jax import train
+from transformer_jax.data import pipeline
+config = make_tiny_config({cache!r})
+config.update_from_flattened_dict({overrides!r})
+os.makedirs({workdir!r}, exist_ok=True)
+streamed, stream = [], train.examples_lib.stream
+def recording(config, split, *shard):
+  streamed.append([split, *shard])
+  return stream(config, split, *shard)
+train.examples_lib.stream = recording
+_, _, encoded = train.prepare_data(config, {workdir!r}, ("train",))
+batches = pipeline.TrainBatches(encoded["train"], 16, config.seed, pack=True,
+                                process_index=jax.process_index(),
+                                process_count=jax.process_count())
+inputs = [next(batches)["inputs"].tolist() for _ in range(5)]
+print("RESULT", json.dumps(dict(
+    streamed=streamed, held=sorted(encoded["train"].held), inputs=inputs,
+    examples=[len(d) for d in encoded["train"].held.values()],
+    state=train._whole_data_state(batches.state))))
+"""
+
+
+def test_two_processes_read_disjoint_shards_and_together_give_one_process_batches(
+    tmp_path, data_cache):
+  def read(workdir, processes, overrides):
+    script = _READ_SHARDS.format(root=ROOT, cache=data_cache, workdir=str(tmp_path / workdir),
+                                 overrides=overrides)
+    return _run("import jax\n" + script, 1, processes)
+
+  zero, one = read("two", 2, {})  # data_shards 0: one shard per process
+  # Process 0 streamed the whole split once, for the tokenizer's sample; then each process
+  # read and encoded its own shard, example i in shard i % 2.
+  assert zero["streamed"] == [["train"], ["train", 0, 2]] and one["streamed"] == [
+      ["train", 1, 2]]
+  assert (zero["held"], one["held"]) == ([0], [1])
+  assert zero["examples"] == one["examples"] == [1000]
+  (whole,) = read("whole", 1, {"data_shards": 2})
+  assert whole["held"] == [0, 1]
+  for step in range(5):
+    assert zero["inputs"][step] + one["inputs"][step] == whole["inputs"][step]
+  # Every process saves the same whole position, gathered from both.
+  assert zero["state"] == one["state"] == whole["state"]
+  assert sorted(os.listdir(tmp_path / "two" / "token_cache"))[0].endswith("-shard0of2")
 
 
 JIT_8 = {"parallel.mode": "jit", "parallel.data": 2, "parallel.fsdp": 2, "parallel.tensor": 2}

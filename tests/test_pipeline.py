@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 
 from transformer_jax.data import demo
 from transformer_jax.data import pipeline
@@ -42,6 +43,52 @@ def test_train_batches_cover_each_epoch_and_resume_from_their_state():
   for _ in range(3):
     np.testing.assert_array_equal(
         np.concatenate([next(h)["inputs"] for h in halves]), next(whole)["inputs"])
+
+
+def _sharded(data: pipeline.Encoded, count: int, held) -> pipeline.Shards:
+  """Example i in shard i % count, as the readers shard a split."""
+  return pipeline.Shards(count, {s: data.subset(range(s, len(data), count)) for s in held})
+
+
+def test_processes_holding_a_shard_each_give_the_batches_of_one_process_holding_both():
+  data = _numbered(30, lengths=[1 + i % 5 for i in range(30)])
+  for pack in (False, True):
+    one = pipeline.TrainBatches(_sharded(data, 2, [0, 1]), 6, seed=3, pack=pack)
+    two = [pipeline.TrainBatches(_sharded(data, 2, [i]), 6, seed=3, pack=pack,
+                                 process_index=i, process_count=2) for i in range(2)]
+    seen = [set(), set()]
+    for _ in range(12):  # several epochs of both shards
+      expected, halves = next(one), [next(t) for t in two]
+      for name in expected:
+        np.testing.assert_array_equal(
+            np.concatenate([h[name] for h in halves]), expected[name])
+      for i, half in enumerate(halves):
+        seen[i] |= set(half["targets"][half["targets"] >= 100].tolist())
+    # Each process read only its own shard: the even examples, or the odd ones.
+    assert seen == [{100 + i for i in range(0, 30, 2)}, {100 + i for i in range(1, 30, 2)}]
+    # Their states joined are the one process's state, and resume it.
+    state = pipeline.merge_states([t.state for t in two])
+    assert state == one.state and all(-1 in sum(t.state["shards"], []) for t in two)
+    resumed = pipeline.TrainBatches(_sharded(data, 2, [1]), 6, seed=3, pack=pack,
+                                    process_index=1, process_count=2)
+    resumed.restore(state)
+    for _ in range(5):
+      np.testing.assert_array_equal(next(resumed)["inputs"], next(two[1])["inputs"])
+
+
+def test_shard_layouts_and_their_errors():
+  assert [list(pipeline.shards_of_process(i, 2, 4)) for i in range(2)] == [[0, 1], [2, 3]]
+  assert [list(pipeline.shards_of_process(i, 4, 1)) for i in range(4)] == [[0]] * 4
+  assert [list(pipeline.shards_of_process(i, 2, 3)) for i in range(2)] == [[0, 1], [1, 2]]
+  assert [pipeline.saving_process(s, 2, 3) for s in range(3)] == [0, 0, 1]
+  data = _numbered(12)
+  with pytest.raises(ValueError, match="not divisible by 4 data shards"):
+    pipeline.TrainBatches(_sharded(data, 4, range(4)), 6, seed=0)
+  with pytest.raises(ValueError, match=r"reads data shards \[1\], not \[0\]"):
+    pipeline.TrainBatches(_sharded(data, 2, [0]), 4, seed=0, process_index=1, process_count=2)
+  batches = pipeline.TrainBatches(_sharded(data, 2, [0, 1]), 4, seed=0)
+  with pytest.raises(ValueError, match="for 1 data shard.* set --config.data_shards=1"):
+    batches.restore({"epoch": 0, "row": 3})
 
 
 def test_prefetch_yields_each_batch_with_the_state_after_it():

@@ -1,8 +1,11 @@
-"""Local corpus readers, TFDS reading (mocked: no downloads here) and the shared corpora."""
+"""Local corpus readers, TFDS reading (of datasets prepared here: no downloads) and the shared
+corpora."""
 
 import gzip
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,8 +14,8 @@ from transformer_jax import default_config
 from transformer_jax.data import readers
 from transformer_jax.data import sources
 
-SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..",
-                      "shared", "data")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED = os.path.join(ROOT, "..", "shared", "data")
 
 
 def _write(path, lines, compress=False):
@@ -76,18 +79,90 @@ def test_label_files_split_is_seeded_and_disjoint(tmp_path):
   assert all(e["label"] == e["source"].startswith("good") for e in splits["train"])
 
 
-def test_tfds_source_reads_records_and_explains_missing_data(tmp_path):
-  tfds = pytest.importorskip("tensorflow_datasets")
+def _tfds_pairs_config(data_dir):
   config = default_config.get_config()
-  config.dataset = "tfds"
-  config.tfds.update(name="imdb_reviews", source_key="text", label_key="label")
-  config.task = "classification"
-  config.tfds_data_dir = str(tmp_path)
+  config.dataset, config.tfds_data_dir = "tfds", data_dir
+  config.tfds.update(name="tiny_pairs", source_key="en", target_key="de")
+  config.splits.update(train="train", test="test")
+  return config
+
+
+# Run in a subprocess where TensorFlow cannot be found (as on a machine without it):
+# prints shard 1 of 3 of the ArrayRecord training split.
+_READ_WITHOUT_TENSORFLOW = """
+import importlib.machinery, json, sys
+class NoTensorFlow(importlib.machinery.PathFinder):
+  @classmethod
+  def find_spec(cls, name, path=None, target=None):
+    if name.split(".")[0] == "tensorflow":
+      return None
+    return importlib.machinery.PathFinder.find_spec(name, path, target)
+sys.meta_path = [NoTensorFlow if f is importlib.machinery.PathFinder else f
+                 for f in sys.meta_path]
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {tests!r})
+import test_readers
+from transformer_jax.data import examples
+examples_iter, count = examples.stream(test_readers._tfds_pairs_config({data_dir!r}), "train", 1, 3)
+print(json.dumps([count, list(examples_iter), "tensorflow" in sys.modules]))
+"""
+
+
+@pytest.mark.parametrize("file_format", ["array_record", "tfrecord"])
+def test_tfds_source_reads_prepared_data_by_shard_and_explains_missing_data(tmp_path,
+                                                                            file_format):
+  tfds = pytest.importorskip("tensorflow_datasets")
+  data_dir = str(tmp_path)
+  config = _tfds_pairs_config(data_dir)
+  config.tfds.name = "imdb_reviews"
   with pytest.raises(FileNotFoundError, match=r"tfds build imdb_reviews --data_dir="):
     sources.load_examples(config, ["test"])
-  with tfds.testing.mock_data(num_examples=3):
-    examples = sources.load_examples(config, ["test"])["test"]
-  assert len(examples) == 3 and all(set(e) == {"source", "label"} for e in examples)
+
+  tiny_pairs(tfds)(data_dir=data_dir, file_format=file_format).download_and_prepare()
+  config = _tfds_pairs_config(data_dir)
+  every = sources.load_examples(config, ["train"])["train"]
+  assert sorted(e["source"] for e in every) == sorted(f"house {i}" for i in range(20))
+  assert all(e["target"] == "Haus" + e["source"][len("house"):] for e in every)
+  shards = [sources.stream(config, "train", i, 3) for i in range(3)]
+  assert [count for _, count in shards] == [7, 7, 6]
+  assert [list(it) for it, _ in shards] == [every[i::3] for i in range(3)]
+  with pytest.raises(ValueError, match=r"config.splits.train to one of \['test', 'train'\]"):
+    config.splits.train = "training"
+    sources.load_examples(config, ["train"])
+
+  if file_format == "array_record":  # read by index, and TensorFlow is not needed for it
+    script = _READ_WITHOUT_TENSORFLOW.format(root=ROOT, tests=os.path.dirname(__file__),
+                                             data_dir=data_dir)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True)
+    count, shard, imported_tensorflow = json.loads(run.stdout.splitlines()[-1])
+    assert (count, shard, imported_tensorflow) == (7, every[1::3], False)
+
+
+_TINY_PAIRS = []
+
+
+def tiny_pairs(tfds):
+  """A TFDS dataset of 20 training and 5 test pairs, made here (TFDS registers a builder
+  class once per process, by its name)."""
+  if not _TINY_PAIRS:
+
+    class TinyPairs(tfds.core.GeneratorBasedBuilder):
+      VERSION = tfds.core.Version("1.0.0")
+
+      def _info(self):
+        return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(
+            {"en": tfds.features.Text(), "de": tfds.features.Text()}))
+
+      def _split_generators(self, dl_manager):
+        return {"train": self._generate_examples(20), "test": self._generate_examples(5)}
+
+      def _generate_examples(self, count):
+        for i in range(count):
+          yield i, {"en": f"house {i}", "de": f"Haus {i}"}
+
+    _TINY_PAIRS.append(TinyPairs)
+  return _TINY_PAIRS[0]
 
 
 _SHARED_COUNTS = {  # (name, config overrides, train / validation / test sizes from its README)

@@ -1,6 +1,7 @@
 """The three task families end to end: packing leaves no trace, decoder-only generation, the
 task metrics, and the shared-corpus configs training for a few steps."""
 
+import collections
 import functools
 import json
 import os
@@ -169,20 +170,48 @@ def test_every_config_file_loads_and_builds_its_model():
       assert jax.tree.leaves(shapes), path
 
 
+def test_tokenizer_sample_is_seeded_uniform_and_streamed():
+  from transformer_jax import tokenizer as tokenizer_lib
+  texts = [f"t{i}" for i in range(1000)]
+  assert tokenizer_lib.sample(iter(texts[:30]), 50, seed=0) == texts[:30]  # fewer: all
+  picked = tokenizer_lib.sample(iter(texts), 100, seed=0)
+  assert len(set(picked)) == 100 and set(picked) <= set(texts)
+  assert picked == tokenizer_lib.sample(iter(texts), 100, seed=0)
+  assert picked != tokenizer_lib.sample(iter(texts), 100, seed=1)
+  # Uniform: over 200 seeds every text is kept about 100/1000 of the time; the last ones as
+  # often as the first (a reservoir bug keeps the head or the tail).
+  counts = collections.Counter(t for seed in range(200)
+                               for t in tokenizer_lib.sample(iter(texts), 100, seed=seed))
+  first, last = (sum(counts[t] for t in texts[part]) / 200 for part in
+                 (slice(0, 500), slice(500, 1000)))
+  assert abs(first - 50) < 3 and abs(last - 50) < 3
+
+
 def test_tokenizer_is_trained_once_or_taken_from_a_given_model(tmp_path):
   from transformer_jax import tokenizer as tokenizer_lib
   config = default_config.get_config()
   config.model.vocab_size = 40
-  examples = [{"source": f"the cat {i}", "target": f"die Katze {i}"} for i in range(50)]
+  config.dataset, config.data_dir = "local", str(tmp_path / "data")
+  config.local.update(format="parallel", source_lang="en", target_lang="de")
+  os.makedirs(config.data_dir)
+
+  def write_corpus(words):
+    for lang, word in zip(("en", "de"), words):
+      with open(os.path.join(config.data_dir, f"train.{lang}"), "w", encoding="utf-8") as f:
+        f.write("".join(f"{word} {i}\n" for i in range(50)))
+
+  write_corpus(("the cat", "die Katze"))
   os.makedirs(tmp_path / "a")
-  trained = train.load_tokenizer(config, str(tmp_path / "a"), examples)
-  # Reused as saved, whatever the examples are now (a resumed run, predict).
-  again = train.load_tokenizer(config, str(tmp_path / "a"), [{"source": "x"}])
+  trained = train.load_tokenizer(config, str(tmp_path / "a"))
+  assert trained.encode("the cat") != trained.encode("xyz qqq")
+  # Reused as saved, whatever the data is now (a resumed run, predict).
+  write_corpus(("x", "y"))
+  again = train.load_tokenizer(config, str(tmp_path / "a"))
   assert again.model_proto == trained.model_proto
   # A given .model is copied into a new workdir instead of training one.
   os.makedirs(tmp_path / "b")
   config.tokenizer.path = str(tmp_path / "a" / workdir_lib.TOKENIZER_FILE)
-  given = train.load_tokenizer(config, str(tmp_path / "b"), [])
+  given = train.load_tokenizer(config, str(tmp_path / "b"))
   assert given.model_proto == trained.model_proto
   assert tokenizer_lib.Tokenizer.load(str(tmp_path / "b" / workdir_lib.TOKENIZER_FILE)
                                       ).model_proto == trained.model_proto

@@ -62,16 +62,28 @@ def _entries(workdir):
 
 @pytest.fixture
 def read_splits(monkeypatch):
-  """The splits whose texts each prepare_data call reads (load_examples itself runs)."""
+  """The splits whose texts prepare_data reads, in order: listed (load_examples) or streamed
+  (examples.stream: the training split, for the tokenizer's sample and for encoding)."""
   calls = []
-  load = train.examples_lib.load_examples
+  load, stream = train.examples_lib.load_examples, train.examples_lib.stream
 
-  def recording(config, splits):
-    calls.append(sorted(splits))
+  def recording_load(config, splits):
+    calls.extend(splits)
     return load(config, splits)
 
-  monkeypatch.setattr(train.examples_lib, "load_examples", recording)
+  def recording_stream(config, split, *shard):
+    calls.append(split)
+    return stream(config, split, *shard)
+
+  monkeypatch.setattr(train.examples_lib, "load_examples", recording_load)
+  monkeypatch.setattr(train.examples_lib, "stream", recording_stream)
   return calls
+
+
+def _in_memory(encoded: pipeline.Encoded) -> pipeline.Encoded:
+  """A copy that does not change when the cache files it was mapped from are damaged."""
+  return pipeline.Encoded({name: pipeline.Ragged(np.array(f.values), np.array(f.offsets))
+                           for name, f in encoded.features.items()}, encoded.lengths)
 
 
 def _same(a: pipeline.Encoded, b: pipeline.Encoded):
@@ -87,10 +99,12 @@ def test_second_start_reads_the_cache_not_the_corpus(tmp_path, local_config, rea
   assert len(first["train"]) == len(PAIRS) and list(examples) == ["validation"]
   (entry,) = _entries(workdir)
   assert entry.startswith("train-")
+  # Read: the training texts for the tokenizer and to encode them, the validation texts.
+  assert read_splits == ["train", "validation", "train"]
   _, _, again = train.prepare_data(local_config, workdir, ("train", "validation"))
-  assert read_splits == [["train", "validation"], ["validation"]]  # no training texts read
-  assert isinstance(again["train"].features["inputs"].values, np.memmap)
-  _same(first["train"], again["train"])
+  assert read_splits[3:] == ["validation"]  # no training texts read
+  assert isinstance(again["train"].held[0].features["inputs"].values, np.memmap)
+  _same(first["train"].held[0], again["train"].held[0])
   assert _entries(workdir) == [entry]
 
 
@@ -105,16 +119,17 @@ def test_a_changed_corpus_or_setting_is_a_miss(tmp_path, local_config, change, r
     local_config.max_source_length = 6  # other truncation, other arrays
     expected = len(PAIRS)
   _, _, second = train.prepare_data(local_config, workdir, ("train",))
-  assert read_splits[-1] == ["train"] and len(second["train"]) == expected
+  assert read_splits[-1] == "train" and len(second["train"]) == expected
   assert len(_entries(workdir)) == 2  # a new entry beside the old one
-  assert not np.array_equal(first["train"].features["inputs"].offsets,
-                            second["train"].features["inputs"].offsets)
+  assert not np.array_equal(first["train"].held[0].features["inputs"].offsets,
+                            second["train"].held[0].features["inputs"].offsets)
 
 
 @pytest.mark.parametrize("damage", ["truncated array", "flipped byte", "no manifest"])
 def test_a_damaged_entry_is_rebuilt(tmp_path, local_config, damage, read_splits):
   workdir = _workdir(tmp_path)
   _, _, first = train.prepare_data(local_config, workdir, ("train",))
+  first = _in_memory(first["train"].held[0])
   (entry,) = _entries(workdir)
   folder = os.path.join(workdir, "token_cache", entry)
   values = os.path.join(folder, "targets.values.npy")
@@ -130,6 +145,19 @@ def test_a_damaged_entry_is_rebuilt(tmp_path, local_config, damage, read_splits)
   else:
     os.remove(os.path.join(folder, token_cache.MANIFEST))
   _, _, rebuilt = train.prepare_data(local_config, workdir, ("train",))
-  assert read_splits == [["train"], ["train"]]  # encoded again from the texts
-  _same(first["train"], rebuilt["train"])
+  assert read_splits == ["train", "train", "train"]  # tokenizer, encoded, encoded again
+  _same(first, rebuilt["train"].held[0])
   assert token_cache.load(workdir_lib.path(folder)) is not None  # and cached again
+
+
+def test_shards_are_encoded_and_cached_apart(tmp_path, local_config):
+  workdir = _workdir(tmp_path)
+  _, _, whole = train.prepare_data(local_config, workdir, ("train",))
+  local_config.data_shards = 3
+  _, _, sharded = train.prepare_data(local_config, workdir, ("train",))
+  assert sharded["train"].count == 3 and sorted(sharded["train"].held) == [0, 1, 2]
+  assert len(_entries(workdir)) == 4
+  whole_entry, *shard_entries = _entries(workdir)
+  assert shard_entries == [f"{whole_entry}-shard{s}of3" for s in range(3)]
+  for shard, data in sharded["train"].held.items():  # example i in shard i % 3
+    _same(data, whole["train"].held[0].subset(range(shard, len(PAIRS), 3)))

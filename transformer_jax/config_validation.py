@@ -46,6 +46,7 @@ RANGES = {
     "weight_decay": (0, None, True, True),
     "grad_clip_norm": (0, None, True, True),
     "prefetch_batches": (0, None, True, True),
+    "data_shards": (0, None, True, True),
     "log_every_steps": (1, None, True, True),
     "eval_every_steps": (1, None, True, True),
     "checkpoint_every_steps": (1, None, True, True),
@@ -184,6 +185,11 @@ def _cross_key_problems(config: ml_collections.ConfigDict,
         device_count % product if sizes.count(-1) else product != device_count):
       found.append(f"config.parallel data x fsdp x tensor = {sizes} does not fit {device_count} "
                    "devices (their product must be the device count; one may be -1 = the rest)")
+  if device_count is not None and config.data_shards:
+    global_batch = config.per_device_batch_size * device_count * config.grad_accum_steps
+    if global_batch % config.data_shards:
+      found.append(f"config.data_shards={config.data_shards} does not divide the global batch "
+                   f"of {global_batch} rows (every shard gives an equal part of it)")
   return found
 
 

@@ -111,6 +111,12 @@ def get_config() -> ml_collections.ConfigDict:
   # 'label_files') and the capped samples of a mixture's parts. Apart from config.seed, so
   # that a new training seed never changes the test set.
   config.data_seed = 0
+  # The training split is read as this many shards (example i in shard i % data_shards), each
+  # with its own shuffled epochs; a global batch takes equal rows from every shard, and each
+  # host of a pod reads and encodes only the shards its part of the batch comes from. 0 = one
+  # per process. The order depends on this number alone: fix it (to a divisor of the global
+  # batch) to resume a run on a different number of hosts.
+  config.data_shards = 0
   # JAX's random-number generator for initialisation and dropout: 'threefry2x32' (JAX's
   # default: the same numbers on every backend and sharding), or 'rbg' / 'unsafe_rbg' (XLA's
   # bit generator, which MaxText uses on GPU and TPU for cheaper dropout masks; other numbers

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import itertools
 import time
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -133,18 +134,22 @@ class Family(abc.ABC):
 
   # ---- Data -------------------------------------------------------------------------------
 
-  def encode_examples(self, examples: Sequence[dict], tokenizer: tokenizer_lib.Tokenizer, *,
-                      drop_overlong: bool = False) -> tuple[pipeline.Encoded, int]:
-    """Token features of `examples`, and how many were longer than max_source_length /
-    max_target_length: truncated, or left out with `drop_overlong` (training with
-    config.overlong='drop')."""
+  def encode_examples(self, examples: Iterable[dict], tokenizer: tokenizer_lib.Tokenizer, *,
+                      drop_overlong: bool = False, total: int | None = None
+                      ) -> tuple[pipeline.Encoded, int]:
+    """Token features of `examples` (a list, or a stream read a chunk at a time: memory holds
+    token arrays, never the texts of a whole split), and how many were longer than
+    max_source_length / max_target_length: truncated, or left out with `drop_overlong`
+    (training with config.overlong='drop'). `total` (a list's length by default) gives the
+    progress log its ETA."""
     max_source, max_target = self.config.max_source_length, self.config.max_target_length
     # Per feature, one Ragged per chunk: memory holds arrays, not an object per example.
     features: dict[str, list[pipeline.Ragged]] = {name: [] for name in self.feature_lengths()}
-    labels, overlong = [], 0
-    progress = _Progress(len(examples))
-    for start in range(0, len(examples), ENCODE_CHUNK):
-      chunk = examples[start:start + ENCODE_CHUNK]
+    labels, overlong, done = [], 0, 0
+    progress = _Progress(len(examples) if total is None and hasattr(examples, "__len__")
+                         else total)
+    examples = iter(examples)
+    while chunk := list(itertools.islice(examples, ENCODE_CHUNK)):
       sources = tokenizer.encode_batch([e["source"] for e in chunk])
       targets = (tokenizer.encode_batch([e["target"] for e in chunk]) if self.generates_text
                  else [[]] * len(chunk))
@@ -161,7 +166,8 @@ class Family(abc.ABC):
       for feature, values in chunk_features.items():
         features[feature].append(pipeline.Ragged.from_sequences(
             values, pipeline.feature_dtype(feature)))
-      progress.update(start + len(chunk))
+      done += len(chunk)
+      progress.update(done)
     return pipeline.Encoded(
         {name: pipeline.Ragged.concatenate(parts, pipeline.feature_dtype(name))
          for name, parts in features.items()},
@@ -215,18 +221,22 @@ ENCODE_CHUNK = 100_000  # examples tokenized per batch call
 
 
 class _Progress:
-  """Logs encoding progress with an ETA, about every 10% of a split of more than a chunk."""
+  """Logs encoding progress about every 10% of a split of more than a chunk, with an ETA (or,
+  when the size is not known up front, every chunk)."""
 
-  def __init__(self, total: int):
+  def __init__(self, total: int | None):
     self.total, self.start, self.next_report = total, time.perf_counter(), 0.1
 
   def update(self, done: int) -> None:
+    elapsed = time.perf_counter() - self.start
+    if self.total is None:
+      logging.info("Encoded %s examples, %.0f s.", f"{done:,}", elapsed)
+      return
     if self.total <= ENCODE_CHUNK or done / self.total < self.next_report:
       return
-    elapsed = time.perf_counter() - self.start
     logging.info("Encoded %s of %s examples (%.0f%%), %.0f s, ETA %.0f s.", f"{done:,}",
                  f"{self.total:,}", 100 * done / self.total, elapsed,
-                 elapsed * (self.total - done) / done)
+                 elapsed * max(self.total - done, 0) / done)
     self.next_report = done / self.total + 0.1
 
 

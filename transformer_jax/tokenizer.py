@@ -6,6 +6,7 @@ Reserved ids: 0 = padding, 1 = end of sequence, 2 = beginning of sequence, 3 = u
 from __future__ import annotations
 
 import io
+import itertools
 import os
 from typing import Iterable, Sequence
 
@@ -56,6 +57,22 @@ class Tokenizer:
   @classmethod
   def load(cls, path: str | os.PathLike) -> "Tokenizer":
     return cls(workdir_lib.path(path).read_bytes())
+
+
+def sample(texts: Iterable[str], size: int, seed: int) -> list[str]:
+  """A seeded uniform sample of `size` texts from a stream (all of them, in order, when there
+  are fewer), holding only the sample: reservoir sampling, a chunk of random draws at a time."""
+  rng = np.random.default_rng(seed)
+  kept, seen, texts = [], 0, iter(texts)
+  while chunk := list(itertools.islice(texts, 100_000)):
+    fill = min(size - len(kept), len(chunk))
+    kept.extend(chunk[:fill])
+    # Text number i (from 0) replaces a uniform slot of 0..i when that slot is in the sample.
+    slots = rng.integers(0, np.arange(seen + fill, seen + len(chunk)) + 1)
+    for position in np.flatnonzero(slots < size).tolist():
+      kept[slots[position]] = chunk[fill + position]
+    seen += len(chunk)
+  return kept
 
 
 def train_tokenizer(sentences: Iterable[str], vocab_size: int, *,

@@ -67,28 +67,26 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
   return adam
 
 
-def load_tokenizer(config: ml_collections.ConfigDict, workdir: str,
-                   train_examples: Sequence[dict]) -> tokenizer_lib.Tokenizer:
+def load_tokenizer(config: ml_collections.ConfigDict, workdir: str) -> tokenizer_lib.Tokenizer:
   """The workdir's tokenizer; on first use copied from `config.tokenizer.path`, or trained on
   a seeded sample of the training split's texts (by process 0; the others wait and load it,
   so every process of a multi-host run uses the same one)."""
   path = workdir_lib.tokenizer_path(workdir)
   if jax.process_index() == 0 and not path.exists():
-    _new_tokenizer(config, train_examples).save(path)
+    _new_tokenizer(config).save(path)
   if jax.process_count() > 1:  # every process passes here, whether or not it was made now
     multihost_utils.sync_global_devices("tokenizer saved")
   return tokenizer_lib.Tokenizer.load(path)
 
 
-def _new_tokenizer(config: ml_collections.ConfigDict,
-                   train_examples: Sequence[dict]) -> tokenizer_lib.Tokenizer:
+def _new_tokenizer(config: ml_collections.ConfigDict) -> tokenizer_lib.Tokenizer:
   t = config.tokenizer
   if t.path:
     return tokenizer_lib.Tokenizer.load(t.path)
-  texts = list(tasks.training_texts(train_examples))
-  if len(texts) > t.num_sentences:
-    keep = np.random.default_rng(config.seed).choice(len(texts), t.num_sentences, replace=False)
-    texts = [texts[i] for i in sorted(keep)]
+  # The split is streamed: only the sample is held, whatever the corpus size.
+  train_examples, _ = examples_lib.stream(config, "train")
+  texts = tokenizer_lib.sample(tasks.training_texts(train_examples), t.num_sentences,
+                               config.seed)
   logging.info("Training a %d-piece SentencePiece %s tokenizer on %d training texts.",
                config.model.vocab_size, t.model_type, len(texts))
   return tokenizer_lib.train_tokenizer(
@@ -96,50 +94,75 @@ def _new_tokenizer(config: ml_collections.ConfigDict,
       character_coverage=t.character_coverage, byte_fallback=t.byte_fallback)
 
 
-def prepare_data(config: ml_collections.ConfigDict, workdir: str, splits=sources.SPLITS):
-  """Examples of `splits`, the workdir's tokenizer (made on first use), token features.
+def data_shards(config: ml_collections.ConfigDict) -> tuple[int, range]:
+  """How many shards the training split is read as, and which of them this process reads."""
+  count = config.data_shards or jax.process_count()
+  return count, pipeline.shards_of_process(jax.process_index(), jax.process_count(), count)
 
-  The training split's features come from the workdir's token cache (data/token_cache.py)
-  when it holds them for this tokenizer, config and data; its examples are then not read at
-  all. Otherwise they are encoded and process 0 caches them. `examples` never holds the
-  training split (its texts would stay in memory for the whole run).
+
+def prepare_data(config: ml_collections.ConfigDict, workdir: str, splits=sources.SPLITS):
+  """Examples of the evaluation `splits`, the workdir's tokenizer (made on first use), and
+  token features: the training split as `pipeline.Shards` (this process's, see
+  `data_shards`), the others as `pipeline.Encoded`.
+
+  The training texts are streamed, never held whole (`examples` has no "train"), and each
+  shard's features come from the workdir's token cache (data/token_cache.py) when it holds
+  them for this tokenizer, config and data; otherwise the shard is encoded and cached.
   """
   family = families.get(config)
-  cache_entry = lambda tokenizer: token_cache.entry(workdir, "train", token_cache.key(
-      config, family.name, family.feature_lengths(), tokenizer.model_proto, "train"))
-  # The training split is read for the tokenizer only when the workdir has none yet.
-  needs_train = not (config.tokenizer.path or workdir_lib.tokenizer_path(workdir).exists())
-  tokenizer = None if needs_train else load_tokenizer(config, workdir, [])
-  # The cache entry of the training split, once the tokenizer is known (its key hashes it).
-  entry = cache_entry(tokenizer) if tokenizer is not None and "train" in splits else None
-  cached = token_cache.load(entry) if entry is not None else None
-  if cached is not None:
-    logging.info("Training data: %s examples from the token cache %s.", f"{len(cached):,}",
-                 entry)
-  to_read = (set(splits) - ({"train"} if cached is not None else set())) | (
-      {"train"} if needs_train else set())
-  examples = examples_lib.load_examples(config, sorted(to_read))
-  if tokenizer is None:
-    tokenizer = load_tokenizer(config, workdir, examples["train"])
-    entry = cache_entry(tokenizer) if "train" in splits else None
+  tokenizer = load_tokenizer(config, workdir)
+  eval_splits = [split for split in splits if split != "train"]
+  examples = examples_lib.load_examples(config, eval_splits) if eval_splits else {}
   encoded = {}
-  for split in splits:
-    if split == "train" and cached is not None:
-      encoded[split] = cached
-      continue
-    # Only training may drop examples: an evaluation must score every reference.
-    drop = split == "train" and config.overlong == "drop"
-    encoded[split], overlong = family.encode_examples(examples[split], tokenizer,
-                                                      drop_overlong=drop)
-    if overlong:
-      logging.warning("%s: %d of %d examples longer than max_source_length=%d / "
-                      "max_target_length=%d tokens were %s.", split, overlong,
-                      len(examples[split]), config.max_source_length, config.max_target_length,
-                      "dropped" if drop else "truncated")
-    if split == "train" and jax.process_index() == 0:
-      token_cache.save(entry, encoded[split])
-  examples.pop("train", None)  # millions of texts, needed by nobody once encoded
+  if "train" in splits:
+    encoded["train"] = _training_shards(config, workdir, family, tokenizer)
+  for split in eval_splits:  # every reference is scored: overlong examples are truncated
+    encoded[split], overlong = family.encode_examples(examples[split], tokenizer)
+    _warn_overlong(config, split, overlong, len(examples[split]), "truncated")
   return examples, tokenizer, encoded
+
+
+def _training_shards(config: ml_collections.ConfigDict, workdir: str, family: families.Family,
+                     tokenizer: tokenizer_lib.Tokenizer) -> pipeline.Shards:
+  count, shards = data_shards(config)
+  cache_key = token_cache.key(config, family.name, family.feature_lengths(),
+                              tokenizer.model_proto, "train")
+  held = {}
+  for shard in shards:
+    entry = token_cache.entry(workdir, "train", cache_key, shard, count)
+    held[shard] = token_cache.load(entry)
+    if held[shard] is not None:
+      logging.info("Training data: %s examples from the token cache %s.",
+                   f"{len(held[shard]):,}", entry)
+      continue
+    stream, total = examples_lib.stream(config, "train", shard, count)
+    drop = config.overlong == "drop"
+    held[shard], overlong = family.encode_examples(stream, tokenizer, drop_overlong=drop,
+                                                   total=total)
+    _warn_overlong(config, "train" if count == 1 else f"train shard {shard} of {count}",
+                   overlong, len(held[shard]) + overlong * drop,
+                   "dropped" if drop else "truncated")
+    if jax.process_index() == pipeline.saving_process(shard, jax.process_count(), count):
+      token_cache.save(entry, held[shard])
+      if not workdir_lib.is_url(workdir):  # from here on memory-mapped: pages the OS can drop
+        held[shard] = token_cache.load(entry) or held[shard]
+  return pipeline.Shards(count, held)
+
+
+def _warn_overlong(config: ml_collections.ConfigDict, split: str, overlong: int, total: int,
+                   what: str) -> None:
+  if overlong:
+    logging.warning("%s: %d of %d examples longer than max_source_length=%d / "
+                    "max_target_length=%d tokens were %s.", split, overlong, total,
+                    config.max_source_length, config.max_target_length, what)
+
+
+def _whole_data_state(state: dict) -> dict:
+  """The data position of every shard, from this process's (which knows its own shards)."""
+  if jax.process_count() == 1 or "shards" not in state:
+    return state
+  gathered = multihost_utils.process_allgather(np.asarray(state["shards"]))
+  return pipeline.merge_states([{"shards": part} for part in gathered.tolist()])
 
 
 def train_step(state: train_state.TrainState, batch, rng, *, family: families.Family,
@@ -362,8 +385,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
       manager.reload()
     state = state.replace(step=step, params=params, opt_state=opt_state)
     train_batches.restore(data_state)
-    logging.info("Resumed from checkpoint at step %d (data: epoch %d, row %d).", step,
-                 data_state["epoch"], data_state["row"])
+    logging.info("Resumed from checkpoint at step %d (data position %s).", step, data_state)
   if is_chief:  # after a successful restore: a mismatch keeps the old config
     workdir_lib.save_config(workdir, config)
   start_step = int(state.step)
@@ -431,7 +453,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
       _check_finite(layout.host_sums(sums), step, manager)
     start = time.time()
     saved = layout.checkpoint_state(state)
-    checkpoints.save(manager, step, saved.params, saved.opt_state, data_state)
+    checkpoints.save(manager, step, saved.params, saved.opt_state, _whole_data_state(data_state))
     logging.info("Saved checkpoint %d (%.1f s; written in the background) in %s.", step,
                  time.time() - start, manager.directory)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import ml_collections
 
@@ -18,3 +18,13 @@ def load_examples(config: ml_collections.ConfigDict,
   if config.task == "multitask":
     return mixture.load_examples(config, splits)
   return sources.load_examples(config, splits)
+
+
+def stream(config: ml_collections.ConfigDict, split: str, shard_index: int = 0,
+           shard_count: int = 1) -> tuple[Iterable[dict], int | None]:
+  """Examples shard_index, shard_index + shard_count, ... of `split`, streamed where the source
+  allows (see sources.stream), and how many (None when not known up front)."""
+  if config.task == "multitask":
+    return sources.shard_of(mixture.load_examples(config, [split])[split], shard_index,
+                            shard_count)
+  return sources.stream(config, split, shard_index, shard_count)

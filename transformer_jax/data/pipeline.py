@@ -4,7 +4,9 @@ Training order: each epoch is a seeded permutation of the examples, grouped into
 example per row, or several when packing), and a global batch takes the next rows, running
 into the next epoch when one ends. The position (epoch, row) is the whole iterator state; it
 is saved with every checkpoint, so a resumed run reads exactly the rows an uninterrupted run
-would. Every process computes the same rows and keeps its own part of each global batch.
+would. With several data shards (`Shards`: one per host of a pod by default) each shard has
+its own epochs and position, a global batch takes rows from every shard, and a process reads
+only the shards its part of the batch comes from.
 """
 
 from __future__ import annotations
@@ -196,60 +198,140 @@ class EpochRows:
     return self.rows[start:start + count]
 
 
-class TrainBatches:
-  """Endless shuffled (optionally packed) batches: this process's share of each global batch.
+@dataclasses.dataclass
+class Shards:
+  """The training split cut into `count` shards (example i of the source in shard i % count),
+  of which a process holds some (`held`: shard -> its examples). A pod's hosts each read and
+  encode only their own shards; one process may hold them all."""
+  count: int
+  held: dict[int, Encoded]
 
-  `state` / `restore(state)` give and set the position, a small dict saved with checkpoints.
-  """
+  def __len__(self) -> int:
+    return sum(len(data) for data in self.held.values())
 
-  def __init__(self, data: Encoded, global_batch_size: int, seed: int, *, pack: bool = False,
-               process_index: int = 0, process_count: int = 1):
-    if global_batch_size % process_count:
-      raise ValueError(f"Global batch {global_batch_size} is not divisible by "
-                       f"{process_count} processes.")
-    if len(data) == 0:
-      raise ValueError("The training split is empty (after dropping overlong examples?).")
-    if pack and data.labels is not None:
-      raise ValueError("Packing is for sequence tasks; set config.pack_examples=False for "
-                       "classification.")
-    self.data, self.pack, self.seed = data, pack, seed
-    self.global_batch_size = global_batch_size
-    self.local_batch_size = global_batch_size // process_count
-    self.process_index = process_index
+
+def shards_of_process(process_index: int, process_count: int, shard_count: int) -> range:
+  """The shards a process reads. Global batch rows come from the shards in order (shard s
+  gives rows s*R .. (s+1)*R - 1, R = global batch / shard_count) and a process keeps its
+  1/process_count slice of them, so it needs the shards that slice overlaps: its own
+  shard_count/process_count when that divides, every shard a part of one otherwise."""
+  return range(process_index * shard_count // process_count,
+               -(-(process_index + 1) * shard_count // process_count))
+
+
+def saving_process(shard: int, process_count: int, shard_count: int) -> int:
+  """The first process that reads `shard`: the one that writes it into the token cache."""
+  return shard * process_count // shard_count
+
+
+class ShardRows:
+  """One shard's training rows, endless: every epoch a permutation seeded by (seed, epoch,
+  and the shard when there are several), grouped into rows; (epoch, row) is its position."""
+
+  def __init__(self, data: Encoded, seed: Sequence[int], pack: bool):
+    self.data, self.seed, self.pack = data, list(seed), pack
     self.epoch, self.row = 0, 0
     self._rows_epoch, self._rows = -1, None
 
-  @property
-  def state(self) -> dict[str, int]:
-    return {"epoch": self.epoch, "row": self.row}
-
-  def restore(self, state: dict[str, int]) -> None:
-    self.epoch, self.row = int(state["epoch"]), int(state["row"])
-
   def epoch_rows(self, epoch: int) -> EpochRows:
-    """The rows of `epoch`: a permutation seeded by (seed, epoch), packed or one per row."""
     if epoch != self._rows_epoch:  # keep one epoch: memory stays flat
-      order = np.random.default_rng([self.seed, epoch]).permutation(len(self.data))
+      order = np.random.default_rng(self.seed[:1] + [epoch] + self.seed[1:]).permutation(
+          len(self.data))
       self._rows = EpochRows(self.data, order, self.pack)
       self._rows_epoch = epoch
     return self._rows
+
+  def take(self, count: int) -> list[list[int]]:
+    """The next `count` rows, running into the next epoch when one ends."""
+    rows = []
+    while len(rows) < count:
+      epoch_rows = self.epoch_rows(self.epoch)
+      taken = epoch_rows.take(self.row, count - len(rows))
+      rows.extend(taken)
+      self.row += len(taken)
+      epoch_rows.ensure(self.row + 1)  # is there a row after these?
+      if epoch_rows.complete and self.row >= len(epoch_rows.rows):
+        self.epoch, self.row = self.epoch + 1, 0
+    return rows
+
+
+class TrainBatches:
+  """Endless shuffled (optionally packed) batches: this process's share of each global batch.
+
+  A global batch is the next global_batch_size / shard_count rows of every shard, in shard
+  order, so it depends on the shard count and not on how many processes read it: two
+  processes holding a shard each give, together, the batches one process holding both gives.
+  `state` / `restore(state)` give and set the position, a small dict saved with checkpoints:
+  {"epoch", "row"} for one shard, {"shards": [[epoch, row], ...]} for several ([-1, -1] for a
+  shard this process does not hold; `merge_states` joins the processes' states).
+  """
+
+  def __init__(self, data: Encoded | Shards, global_batch_size: int, seed: int, *,
+               pack: bool = False, process_index: int = 0, process_count: int = 1):
+    shards = data if isinstance(data, Shards) else Shards(1, {0: data})
+    if global_batch_size % process_count:
+      raise ValueError(f"Global batch {global_batch_size} is not divisible by "
+                       f"{process_count} processes.")
+    if global_batch_size % shards.count:
+      raise ValueError(f"Global batch {global_batch_size} is not divisible by "
+                       f"{shards.count} data shards; set config.data_shards to a divisor of it.")
+    needed = shards_of_process(process_index, process_count, shards.count)
+    if sorted(shards.held) != list(needed):
+      raise ValueError(f"Process {process_index} of {process_count} reads data shards "
+                       f"{list(needed)}, not {sorted(shards.held)}.")
+    for shard, held in shards.held.items():
+      if len(held) == 0:
+        raise ValueError(f"Training data shard {shard} of {shards.count} is empty (after "
+                         "dropping overlong examples?); use fewer config.data_shards.")
+      if pack and held.labels is not None:
+        raise ValueError("Packing is for sequence tasks; set config.pack_examples=False for "
+                         "classification.")
+    self.shards, self.pack, self.global_batch_size = shards, pack, global_batch_size
+    self.rows_per_shard = global_batch_size // shards.count
+    self.local_batch_size = global_batch_size // process_count
+    self.first_row = process_index * self.local_batch_size  # of the global batch
+    # One shard keeps the seed of (seed, epoch) alone: the order of runs before shards.
+    self._rows = {shard: ShardRows(held, [seed] + ([shard] if shards.count > 1 else []), pack)
+                  for shard, held in sorted(shards.held.items())}
+
+  @property
+  def state(self) -> dict:
+    if self.shards.count == 1:
+      return {"epoch": self._rows[0].epoch, "row": self._rows[0].row}
+    return {"shards": [[self._rows[s].epoch, self._rows[s].row] if s in self._rows else [-1, -1]
+                       for s in range(self.shards.count)]}
+
+  def restore(self, state: dict) -> None:
+    saved_count = len(state["shards"]) if "shards" in state else 1
+    if saved_count != self.shards.count:
+      raise ValueError(f"The checkpoint's data position is for {saved_count} data shard(s) and "
+                       f"this run reads {self.shards.count}: set --config.data_shards="
+                       f"{saved_count} to resume it.")
+    positions = state["shards"] if "shards" in state else [[state["epoch"], state["row"]]]
+    for shard, rows in self._rows.items():
+      rows.epoch, rows.row = (int(x) for x in positions[shard])
 
   def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
     return self
 
   def __next__(self) -> dict[str, np.ndarray]:
     """The next global batch's rows that belong to this process; advances the state."""
-    rows = []
-    while len(rows) < self.global_batch_size:
-      epoch_rows = self.epoch_rows(self.epoch)
-      take = epoch_rows.take(self.row, self.global_batch_size - len(rows))
-      rows.extend(take)
-      self.row += len(take)
-      epoch_rows.ensure(self.row + 1)  # is there a row after these?
-      if epoch_rows.complete and self.row >= len(epoch_rows.rows):
-        self.epoch, self.row = self.epoch + 1, 0
-    start = self.process_index * self.local_batch_size
-    return pad_rows(self.data, rows[start:start + self.local_batch_size], self.pack)
+    parts = []
+    for shard, shard_rows in self._rows.items():
+      rows = shard_rows.take(self.rows_per_shard)
+      # The part of this shard's rows (global rows shard * R ..) in this process's slice.
+      start = max(self.first_row - shard * self.rows_per_shard, 0)
+      stop = min(self.first_row + self.local_batch_size - shard * self.rows_per_shard,
+                 self.rows_per_shard)
+      parts.append(pad_rows(shard_rows.data, rows[start:stop], self.pack))
+    return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+
+
+def merge_states(states: Sequence[dict]) -> dict:
+  """The whole position from every process's `TrainBatches.state` (each knows its shards)."""
+  if "shards" not in states[0]:
+    return states[0]  # one shard: every process has all of it
+  return {"shards": np.max([state["shards"] for state in states], axis=0).tolist()}
 
 
 def prefetch(batches: TrainBatches, place: Callable[[dict], Any], size: int = 2

@@ -9,7 +9,8 @@ Formats (`config.local.format`):
   label_lines  `{split}/{text_file}` and `{split}/{label_file}`, line-aligned (UIT-VSFC);
   label_files  one file of texts per label, no splits: a seeded 80/10/10 split is made here
                (rt-polarity).
-Every reader returns a list of examples: {'source', 'target'} or {'source', 'label'} dicts.
+Every reader returns a list of examples: {'source', 'target'} or {'source', 'label'} dicts;
+`iter_parallel` and `iter_jsonl` stream them, for training splits of millions of examples.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import gzip
 import io
 import json
 import os
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -36,34 +37,59 @@ def find_file(data_dir: str, name: str) -> str:
       " or set the split's file name in config.splits.")
 
 
+def _open(path: str):
+  return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+def iter_lines(path: str, encoding: str = "utf-8") -> Iterator[str]:
+  """The file's lines without their line ends, read as they are asked for (a corpus of
+  millions of lines is never held whole); gzip when the name ends in .gz."""
+  with _open(path) as f:
+    # A binary file splits only on \n: str.splitlines would also split on \x85 or \u2028
+    # inside a sentence and silently misalign a parallel corpus.
+    for raw in f:
+      yield raw.decode(encoding, errors="replace").rstrip("\n").rstrip("\r")
+
+
 def read_lines(path: str, encoding: str = "utf-8") -> list[str]:
-  """The file's lines without their line ends; gzip when the name ends in .gz."""
-  opener = gzip.open if path.endswith(".gz") else open
-  with opener(path, "rb") as f:
-    # Only \n ends a line: str.splitlines would also split on \x85 or \u2028 inside a sentence
-    # and silently misalign a parallel corpus.
-    text = f.read().decode(encoding, errors="replace")
-  lines = text.split("\n")
-  if lines and lines[-1] == "":
-    lines.pop()
-  return [line.rstrip("\r") for line in lines]
+  return list(iter_lines(path, encoding))
 
 
-def read_aligned(paths: Sequence[str], encoding: str = "utf-8") -> list[tuple[str, ...]]:
-  """Line i of every file, as tuples; files of different lengths are an error."""
-  columns = [read_lines(path, encoding) for path in paths]
-  counts = [len(column) for column in columns]
+def count_lines(path: str) -> int:
+  """How many lines `iter_lines` yields, counted in blocks without decoding (a second for a
+  few hundred MB)."""
+  count, last = 0, b"\n"
+  with _open(path) as f:
+    while block := f.read(1 << 24):
+      count += block.count(b"\n")
+      last = block[-1:]
+  return count + (last != b"\n")
+
+
+def iter_aligned(paths: Sequence[str], encoding: str = "utf-8") -> Iterator[tuple[str, ...]]:
+  """Line i of every file, as tuples, streamed; files of different lengths are an error,
+  raised before the first line (the files are counted first)."""
+  counts = [count_lines(path) for path in paths]
   if len(set(counts)) > 1:
     listing = ", ".join(f"{path}: {count} lines" for path, count in zip(paths, counts))
     raise ValueError(f"Misaligned corpus: {listing}. Line i of each file must belong to the "
                      "same example; fix or re-export the files so they have equal line counts.")
-  return list(zip(*columns))
+  return zip(*(iter_lines(path, encoding) for path in paths))
+
+
+def read_aligned(paths: Sequence[str], encoding: str = "utf-8") -> list[tuple[str, ...]]:
+  return list(iter_aligned(paths, encoding))
+
+
+def iter_parallel(data_dir: str, split_file: str, source_lang: str,
+                  target_lang: str) -> Iterator[dict]:
+  paths = [find_file(data_dir, f"{split_file}.{lang}") for lang in (source_lang, target_lang)]
+  return ({"source": s, "target": t} for s, t in iter_aligned(paths))
 
 
 def read_parallel(data_dir: str, split_file: str, source_lang: str,
                   target_lang: str) -> list[dict]:
-  paths = [find_file(data_dir, f"{split_file}.{lang}") for lang in (source_lang, target_lang)]
-  return [{"source": s, "target": t} for s, t in read_aligned(paths)]
+  return list(iter_parallel(data_dir, split_file, source_lang, target_lang))
 
 
 def _first_present(names: str, available) -> str | None:
@@ -72,22 +98,25 @@ def _first_present(names: str, available) -> str | None:
   return next((name for name in names.split("|") if name in available), None)
 
 
-def read_jsonl(data_dir: str, split_file: str, source_field: str, target_field: str) -> list[dict]:
+def iter_jsonl(data_dir: str, split_file: str, source_field: str,
+               target_field: str) -> Iterator[dict]:
   """Fields may list alternatives, 'summary|summary1': the first present is used."""
   path = find_file(data_dir, f"{split_file}.jsonl")
-  examples = []
-  for number, line in enumerate(read_lines(path), start=1):
+  for number, line in enumerate(iter_lines(path), start=1):
     if not line.strip():
       continue
     try:
       record = json.loads(line)
-      examples.append({"source": str(record[_first_present(source_field, record)]),
-                       "target": str(record[_first_present(target_field, record)])})
+      yield {"source": str(record[_first_present(source_field, record)]),
+             "target": str(record[_first_present(target_field, record)])}
     except (json.JSONDecodeError, KeyError, TypeError) as e:
       raise ValueError(f"{path}, line {number}: not a JSON object with fields "
                        f"{source_field!r} and {target_field!r} ({e!r}). Set config.local."
                        "source_field / target_field to the file's field names.") from None
-  return examples
+
+
+def read_jsonl(data_dir: str, split_file: str, source_field: str, target_field: str) -> list[dict]:
+  return list(iter_jsonl(data_dir, split_file, source_field, target_field))
 
 
 def _label(value: str, where: str) -> int:

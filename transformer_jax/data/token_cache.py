@@ -1,6 +1,6 @@
 """The encoded training split, cached in the workdir: tokenized once, memory-mapped on restart.
 
-WORKDIR/token_cache/train-KEY/ holds one .npy file per array of the split's `Encoded` (each
+WORKDIR/token_cache/train-KEY/ (train-KEY-shardSofN/ for one of N data shards) holds one .npy file per array of the split's `Encoded` (each
 feature's flat token values and offsets, the labels) and `manifest.json`, written last, with
 every array's shape, dtype and CRC32. KEY hashes everything the arrays depend on: the
 tokenizer, the family and its feature lengths, the overlong policy, the data keys of the config
@@ -54,8 +54,10 @@ def key(config: ml_collections.ConfigDict, family_name: str, feature_lengths: di
   return hashlib.sha256(description.encode()).hexdigest()[:20]
 
 
-def entry(workdir: str, split: str, cache_key: str):
-  return workdir_lib.path(workdir) / "token_cache" / f"{split}-{cache_key}"
+def entry(workdir: str, split: str, cache_key: str, shard: int = 0, shard_count: int = 1):
+  """The folder of one shard of `split` (of several: the name says which)."""
+  name = f"{split}-{cache_key}" + (f"-shard{shard}of{shard_count}" if shard_count > 1 else "")
+  return workdir_lib.path(workdir) / "token_cache" / name
 
 
 def _arrays(encoded: pipeline.Encoded) -> dict[str, np.ndarray]:
