@@ -160,14 +160,60 @@ def test_demo_splits_are_deterministic_and_disjoint():
   assert sum(map(len, sources)) == len(set.union(*sources)) == 400
 
 
+def _greedy(data: pipeline.Encoded, order) -> list[list[int]]:
+  """Greedy packing one example at a time: the rule pack_rows implements."""
+  rows, used = [], None
+  for i in order:
+    sizes = [len(f[i]) for f in data.features.values()]
+    if used is None or any(u + s > data.lengths[name]
+                           for u, s, name in zip(used, sizes, data.features)):
+      rows.append([])
+      used = [0] * len(sizes)
+    rows[-1].append(int(i))
+    used = [u + s for u, s in zip(used, sizes)]
+  return rows
+
+
 def test_epoch_rows_are_packed_as_they_are_read():
   rng = np.random.default_rng(0)
-  sequences = [rng.integers(3, 50, rng.integers(1, 9)) for _ in range(3 * pipeline.EpochRows.CHUNK)]
-  data = pipeline.Encoded({"inputs": sequences}, {"inputs": 16})
+  sequences = [rng.integers(3, 50, rng.integers(1, 9)) for _ in range(3000)]
+  targets = [rng.integers(3, 50, rng.integers(1, 5)) for _ in range(3000)]
+  data = pipeline.Encoded({"inputs": sequences, "targets": targets},
+                          {"inputs": 16, "targets": 9})
   order = rng.permutation(len(sequences))
-  whole = pipeline.pack_rows(data, order)
+  whole = _greedy(data, order)
+  assert pipeline.pack_rows(data, order) == whole
   lazy = pipeline.EpochRows(data, order, pack=True)
-  assert lazy.take(0, 10) == whole[:10]
-  assert not lazy.complete  # a start reads ten rows: the rest of the epoch is not packed yet
-  assert lazy.take(len(whole) - 5, 10) == whole[-5:]  # a resume near the end, and the end
-  assert lazy.complete and lazy.rows == whole
+  assert [r.tolist() for r in lazy.take(0, 10)] == whole[:10]
+  assert not lazy.complete and lazy.num_rows == 10  # the rest of the epoch is not packed yet
+  # A resume near the end, and the end.
+  assert [r.tolist() for r in lazy.take(len(whole) - 5, 10)] == whole[-5:]
+  assert lazy.complete and lazy.num_rows == len(whole)
+
+
+def test_padded_rows_match_a_row_by_row_reference():
+  rng = np.random.default_rng(1)
+  sequences = lambda longest: [rng.integers(3, 50, rng.integers(1, longest)) for _ in range(40)]
+  data = pipeline.Encoded({"inputs": sequences(6), "targets": sequences(4)},
+                          {"inputs": 12, "targets": 8, "weights": 8})
+  data.features["weights"] = pipeline.Ragged(  # weights as long as targets
+      rng.random(len(data.features["targets"].values)).astype(np.float32),
+      data.features["targets"].offsets)
+  rows = [list(r) for r in _greedy(data, rng.permutation(40))] + [[]]
+  batch = pipeline.pad_rows(data, rows, pack=True)
+  for name in data.features:
+    for r, row in enumerate(rows):
+      tokens = np.concatenate([data.features[name][i] for i in row] + [np.zeros(0)])
+      padded = np.zeros(data.lengths[name])
+      padded[:len(tokens)] = tokens
+      np.testing.assert_array_equal(batch[name][r], padded.astype(batch[name].dtype))
+      if name != "weights":
+        segments = np.concatenate([np.full(len(data.features[name][i]), k + 1)
+                                   for k, i in enumerate(row)] + [np.zeros(0)])
+        positions = np.concatenate([np.arange(len(data.features[name][i])) for i in row]
+                                   + [np.zeros(0)])
+        np.testing.assert_array_equal(batch[f"{name}_segmentation"][r][:len(tokens)], segments)
+        np.testing.assert_array_equal(batch[f"{name}_position"][r][:len(tokens)], positions)
+        assert not batch[f"{name}_segmentation"][r][len(tokens):].any()
+
+
