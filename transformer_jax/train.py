@@ -145,7 +145,8 @@ def _training_shards(config: ml_collections.ConfigDict, workdir: str, family: fa
     if jax.process_index() == pipeline.saving_process(shard, jax.process_count(), count):
       token_cache.save(entry, held[shard])
       if not workdir_lib.is_url(workdir):  # from here on memory-mapped: pages the OS can drop
-        held[shard] = token_cache.load(entry) or held[shard]
+        mapped = token_cache.load(entry)
+        held[shard] = held[shard] if mapped is None else mapped
   return pipeline.Shards(count, held)
 
 

@@ -75,11 +75,11 @@ def save(folder, encoded: pipeline.Encoded) -> None:
   folder.mkdir(parents=True, exist_ok=True)
   manifest = {"lengths": encoded.lengths, "arrays": {}}
   for name, array in _arrays(encoded).items():
-    buffer = io.BytesIO()
-    np.save(buffer, np.ascontiguousarray(array))
-    (folder / f"{name}.npy").write_bytes(buffer.getvalue())
+    array = np.ascontiguousarray(array)
+    with (folder / f"{name}.npy").open("wb") as f:  # written from the array: no copy of it
+      np.save(f, array)
     manifest["arrays"][name] = dict(shape=list(array.shape), dtype=str(array.dtype),
-                                    crc32=zlib.crc32(np.ascontiguousarray(array).data))
+                                    crc32=zlib.crc32(array.data))
   workdir_lib.write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
 
 
