@@ -217,3 +217,13 @@ def test_padded_rows_match_a_row_by_row_reference():
         assert not batch[f"{name}_segmentation"][r][len(tokens):].any()
 
 
+
+
+def test_config_refuses_data_shards_that_do_not_divide_the_global_batch(tiny_config):
+  from transformer_jax import config_validation
+  tiny_config.data_shards = 3  # 16 rows per device
+  with pytest.raises(config_validation.ConfigError,
+                     match="data_shards=3 does not divide the global batch of 32 rows"):
+    config_validation.validate(tiny_config, device_count=2)
+  tiny_config.data_shards = 4
+  config_validation.validate(tiny_config, device_count=2)

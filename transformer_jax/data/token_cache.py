@@ -1,12 +1,13 @@
 """The encoded training split, cached in the workdir: tokenized once, memory-mapped on restart.
 
-WORKDIR/token_cache/train-KEY/ (train-KEY-shardSofN/ for one of N data shards) holds one .npy file per array of the split's `Encoded` (each
-feature's flat token values and offsets, the labels) and `manifest.json`, written last, with
-every array's shape, dtype and CRC32. KEY hashes everything the arrays depend on: the
-tokenizer, the family and its feature lengths, the overlong policy, the data keys of the config
-and, for a local `data_dir`, the name, size and modification time of every file in it. So a
-changed tokenizer, setting or data file is a miss, encoded anew into a new entry. An entry that
-does not match its manifest (a killed write, a damaged file) is logged, removed and rebuilt.
+WORKDIR/token_cache/train-KEY/ (train-KEY-shardSofN/ for shard S of N data shards) holds one
+.npy file per array of the split's `Encoded` (each feature's flat token values and offsets,
+the labels) and `manifest.json`, written last, with every array's shape, dtype and CRC32. KEY
+hashes everything the arrays depend on: the tokenizer, the family and its feature lengths, the
+overlong policy, the data keys of the config and, for a local `data_dir`, the name, size and
+modification time of every file in it. So a changed tokenizer, setting or data file is a miss,
+encoded anew into a new entry. An entry that does not match its manifest (a killed write, a
+damaged file) is logged, removed and rebuilt.
 """
 
 from __future__ import annotations
