@@ -200,3 +200,12 @@ def test_shared_rt_polarity_loads_all_sentences():
   examples = sources.load_examples(config)
   assert sum(len(v) for v in examples.values()) == 10_662
   assert np.mean([e["label"] for e in examples["train"]]) == pytest.approx(0.5, abs=0.02)
+
+
+def test_lines_split_only_on_line_feeds_in_any_encoding(tmp_path):
+  path = str(tmp_path / "texts")
+  for encoding in ("utf-8", "utf-16", "latin-1"):
+    with open(path, "w", encoding=encoding, newline="") as f:
+      f.write("h\u00e9llo\r\nw\u00f6rld \x85 x\n\nlast")
+    assert readers.read_lines(path, encoding) == ["h\u00e9llo", "w\u00f6rld \x85 x", "", "last"]
+  assert readers.count_lines(path) == 4  # latin-1, as written last

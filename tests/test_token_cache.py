@@ -161,3 +161,10 @@ def test_shards_are_encoded_and_cached_apart(tmp_path, local_config):
   assert shard_entries == [f"{whole_entry}-shard{s}of3" for s in range(3)]
   for shard, data in sharded["train"].held.items():  # example i in shard i % 3
     _same(data, whole["train"].held[0].subset(range(shard, len(PAIRS), 3)))
+
+
+def test_the_training_split_can_be_read_whole_to_be_scored(tmp_path, local_config):
+  workdir = _workdir(tmp_path)
+  examples, _, encoded = train.prepare_data(local_config, workdir, ("train",), training=False)
+  assert len(examples["train"]) == len(encoded["train"]) == len(PAIRS)
+  assert isinstance(encoded["train"], pipeline.Encoded) and not _entries(workdir)

@@ -48,7 +48,7 @@ def run_evaluate(workdir: str, step: int | str | None = None, split: str = "test
     raise ValueError(f"--split {split}: not a split of this workdir's config.splits "
                      f"({', '.join(config.splits)}).")
   predictor = predict.Predictor.from_workdir(workdir, step, average_last, config)
-  examples, _, encoded = train.prepare_data(config, workdir, (split,))
+  examples, _, encoded = train.prepare_data(config, workdir, (split,), training=False)
   evaluator = evaluation.Evaluator(config, predictor.family, predictor.tokenizer,
                                    predictor.layout)
   result, rows = evaluator.evaluate_with_outputs(predictor.device_params, encoded[split],

@@ -100,21 +100,23 @@ def data_shards(config: ml_collections.ConfigDict) -> tuple[int, range]:
   return count, pipeline.shards_of_process(jax.process_index(), jax.process_count(), count)
 
 
-def prepare_data(config: ml_collections.ConfigDict, workdir: str, splits=sources.SPLITS):
+def prepare_data(config: ml_collections.ConfigDict, workdir: str, splits=sources.SPLITS, *,
+                 training: bool = True):
   """Examples of the evaluation `splits`, the workdir's tokenizer (made on first use), and
   token features: the training split as `pipeline.Shards` (this process's, see
   `data_shards`), the others as `pipeline.Encoded`.
 
   The training texts are streamed, never held whole (`examples` has no "train"), and each
   shard's features come from the workdir's token cache (data/token_cache.py) when it holds
-  them for this tokenizer, config and data; otherwise the shard is encoded and cached.
+  them for this tokenizer, config and data; otherwise the shard is encoded and cached. With
+  `training` False the training split is read like the others, to be scored.
   """
   family = families.get(config)
   tokenizer = load_tokenizer(config, workdir)
-  eval_splits = [split for split in splits if split != "train"]
+  eval_splits = [split for split in splits if split != "train" or not training]
   examples = examples_lib.load_examples(config, eval_splits) if eval_splits else {}
   encoded = {}
-  if "train" in splits:
+  if "train" in splits and training:
     encoded["train"] = _training_shards(config, workdir, family, tokenizer)
   for split in eval_splits:  # every reference is scored: overlong examples are truncated
     encoded[split], overlong = family.encode_examples(examples[split], tokenizer)
@@ -351,9 +353,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
       pack=config.pack_examples and family.packable,
       process_index=jax.process_index(), process_count=jax.process_count())
   eval_data, eval_examples = encoded[config.eval_split], examples[config.eval_split]
-  logging.info("Data: %d train / %d %s examples; vocabulary %d; global batch %d on %d devices.",
-               len(encoded["train"]), len(eval_data), config.eval_split, tokenizer.vocab_size,
-               global_batch_size, jax.device_count())
+  logging.info("Data: %d train examples in %d of %d shards here / %d %s examples; vocabulary "
+               "%d; global batch %d on %d devices.", len(encoded["train"]),
+               len(encoded["train"].held), encoded["train"].count, len(eval_data),
+               config.eval_split, tokenizer.vocab_size, global_batch_size, jax.device_count())
 
   # ---- Model and optimizer --------------------------------------------------------------
   if tokenizer.vocab_size > family.model_config.vocab_size:

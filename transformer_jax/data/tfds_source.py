@@ -79,7 +79,11 @@ def stream(config: ml_collections.ConfigDict, split: str, shard_index: int = 0,
 
     def read():
       for start in range(0, len(indices), _READ_CHUNK):
-        for record in records.__getitems__(list(indices[start:start + _READ_CHUNK])):
+        chunk = list(indices[start:start + _READ_CHUNK])
+        # One batched read where the TFDS version has it.
+        fetched = (records.__getitems__(chunk) if hasattr(records, "__getitems__")
+                   else [records[i] for i in chunk])
+        for record in fetched:
           yield _example(record, t, config.task)
   else:
     import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
