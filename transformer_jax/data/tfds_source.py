@@ -47,11 +47,6 @@ def _builder(config: ml_collections.ConfigDict, split: str):
   return builder
 
 
-def _split_error(builder, split_name: str, split: str, error: Exception) -> ValueError:
-  return ValueError(f"{builder.name}: {error}. Set config.splits.{split} to one of "
-                    f"{sorted(builder.info.splits)}.")
-
-
 def _random_access(builder) -> bool:
   """Whether the prepared files are ArrayRecord, read by index without TensorFlow."""
   return str(getattr(builder.info.file_format, "value", "")) == "array_record"
@@ -72,7 +67,8 @@ def stream(config: ml_collections.ConfigDict, split: str, shard_index: int = 0,
   try:
     num_examples = builder.info.splits[split_name].num_examples
   except (KeyError, ValueError) as e:  # an unknown split name
-    raise _split_error(builder, split_name, split, e) from None
+    raise ValueError(f"{builder.name}: {e}. Set config.splits.{split} to one of "
+                     f"{sorted(builder.info.splits)}.") from None
   indices = range(shard_index, num_examples, shard_count)
   if _random_access(builder):
     records = builder.as_data_source(split=split_name)
