@@ -35,7 +35,7 @@ def _data_files(data_dir: str) -> list[tuple[str, int, int]]:
   """(relative path, size, mtime in ns) of every file under a local `data_dir`."""
   found = []
   for root, _, names in os.walk(data_dir):
-    for name in sorted(names):
+    for name in names:
       path = os.path.join(root, name)
       stat = os.stat(path)
       found.append((os.path.relpath(path, data_dir), stat.st_size, stat.st_mtime_ns))
@@ -45,7 +45,8 @@ def _data_files(data_dir: str) -> list[tuple[str, int, int]]:
 def key(config: ml_collections.ConfigDict, family_name: str, feature_lengths: dict,
         tokenizer_proto: bytes, split: str) -> str:
   """What the encoded `split` depends on, hashed."""
-  data = {k: config.to_dict()[k] for k in DATA_KEYS if k in config}
+  settings = config.to_dict()
+  data = {k: settings[k] for k in DATA_KEYS if k in settings}
   if config.get("data_dir") and os.path.isdir(config.data_dir):
     data["files"] = _data_files(config.data_dir)
   description = json.dumps(dict(data=data, family=family_name, split=split,
