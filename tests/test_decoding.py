@@ -53,8 +53,8 @@ def _log_softmax(x):
       -1, keepdims=True))
 
 
-def _penalty(length, alpha):
-  return ((5 + length) / 6) ** alpha
+def _penalty(length, alpha, kind="gnmt"):
+  return (length if kind == "hf" else (5 + length) / 6) ** alpha
 
 
 def _logprob(table, seq, forced=0):
@@ -64,7 +64,7 @@ def _logprob(table, seq, forced=0):
              if i >= forced)
 
 
-def _exhaustive(table, alpha, length):
+def _exhaustive(table, alpha, length, kind="gnmt"):
   """Every output: those ending in EOS best first, then those of `length` tokens without EOS
   best first, as (tokens, score)."""
   vocab = table.shape[-1]
@@ -74,32 +74,37 @@ def _exhaustive(table, alpha, length):
     for seq in itertools.product(range(vocab), repeat=n):
       if EOS in seq[:-1] or (seq[-1] != EOS and n < length):
         continue
-      score = sum(logp[_code(seq[:i], vocab), t] for i, t in enumerate(seq)) / _penalty(n, alpha)
+      score = sum(logp[_code(seq[:i], vocab), t] for i, t in enumerate(seq)) / _penalty(
+          n, alpha, kind)
       (finished if seq[-1] == EOS else live).append((seq, score))
   by_score = lambda hyps: sorted(hyps, key=lambda h: -h[1])
   return by_score(finished) + by_score(live)
 
 
-def _reference_beam(table, beam, alpha, length, prompt=()):
+def _reference_beam(table, beam, alpha, length, prompt=(), kind="gnmt", process=None):
   """The 2 x beam algorithm, one example, step by step: the 2 * beam best extensions of the
   live hypotheses; those ending in EOS (outside the prompt) compete for `beam` finished slots,
-  the `beam` best others stay live; free finished slots take the live ones at the end."""
+  the `beam` best others stay live; free finished slots take the live ones at the end.
+  `process(seq, logits)` changes the logits after `seq`; impossible extensions are dropped."""
   vocab = table.shape[-1]
+  process = process or (lambda seq, logits: logits)
   live, finished = [((), 0.0)], []
   for step in range(length):
     if step < len(prompt):
       candidates = [(seq + (prompt[step],), logprob) for seq, logprob in live]
       ends = lambda seq: False
     else:
-      candidates = [(seq + (t,), logprob + _log_softmax(table[_code(seq, vocab)])[t])
+      candidates = [(seq + (t,), logprob + _log_softmax(process(seq, table[_code(seq, vocab)]))[t])
                     for seq, logprob in live for t in range(vocab)]
       ends = lambda seq: seq[-1] == EOS
     candidates = sorted(candidates, key=lambda h: -h[1])[:2 * beam]
-    finished += [(seq, logprob / _penalty(step + 1, alpha)) for seq, logprob in candidates
+    candidates = [h for h in candidates if h[1] > decoding.NEG_INF / 2]
+    finished += [(seq, logprob / _penalty(step + 1, alpha, kind)) for seq, logprob in candidates
                  if ends(seq)]
     finished = sorted(finished, key=lambda h: -h[1])[:beam]
     live = [h for h in candidates if not ends(h[0])][:beam]
-  return (finished + [(seq, logprob / _penalty(length, alpha)) for seq, logprob in live])[:beam]
+  return (finished + [(seq, logprob / _penalty(length, alpha, kind))
+                      for seq, logprob in live])[:beam]
 
 
 def _assert_hypotheses(sequences, scores, expected):
@@ -120,13 +125,13 @@ def _fixed_tables(logits, length):
 
 
 # Compiled once per shape and static setting, and shared by the tests.
-@functools.partial(jax.jit, static_argnames=("beam_size", "max_len", "processor"))
-def _beam(tables, alpha, prompt=None, *, beam_size, max_len, processor=None):
+@functools.partial(jax.jit, static_argnames=("beam_size", "max_len", "processor", "kind"))
+def _beam(tables, alpha, prompt=None, *, beam_size, max_len, processor=None, kind="gnmt"):
   cache, tokens_to_logits = _prefix_model(tables)
   return decoding.beam_search(jnp.zeros((tables.shape[0], 1), jnp.int32), cache,
                               tokens_to_logits, beam_size=beam_size, alpha=alpha, eos_id=EOS,
                               max_decode_len=max_len, bos_id=BOS, decoder_prompt=prompt,
-                              logits_processor=processor)
+                              logits_processor=processor, length_penalty_kind=kind)
 
 
 @functools.partial(jax.jit, static_argnames=("max_len", "processor"))
@@ -140,15 +145,16 @@ def _greedy(tables, prompt=None, *, max_len, processor=None):
 _sample_traces = []  # one entry per compilation of _sample
 
 
-@functools.partial(jax.jit, static_argnames=("max_len", "top_k", "num_decodes"))
+@functools.partial(jax.jit, static_argnames=("max_len", "top_k", "num_decodes", "processor"))
 def _sample(tables, rng, temperature=1.0, top_p=1.0, prompt=None, *, max_len, top_k=0,
-            num_decodes=None):
+            num_decodes=None, processor=None):
   _sample_traces.append(1)
   cache, tokens_to_logits = _prefix_model(tables)
   return decoding.sample(cache, tokens_to_logits, rng, batch_size=tables.shape[0], bos_id=BOS,
                          eos_id=EOS, max_decode_len=max_len, temperature=temperature,
                          top_k=top_k, top_p=top_p, return_logprobs=True,
-                         num_decodes=num_decodes, decoder_prompt=prompt)
+                         num_decodes=num_decodes, decoder_prompt=prompt,
+                         logits_processor=processor)
 
 
 # ---- Beam search ----------------------------------------------------------------------------
@@ -445,3 +451,168 @@ def test_processors_take_traced_settings():
 def test_processors_refuse_bad_settings(make):
   with pytest.raises(ValueError):
     make()
+
+
+# ---- Hugging Face generation settings: no-repeat n-grams, forced BOS / EOS, length penalty --
+
+def _banned_ngram_ends(seq, n):
+  """Hugging Face's NoRepeatNGramLogitsProcessor for one output `seq`: the tokens that would
+  complete an n-gram already in it."""
+  if len(seq) + 1 < n:
+    return set()
+  suffix = tuple(seq[len(seq) - n + 1:])
+  return {ngram[-1] for ngram in zip(*[seq[i:] for i in range(n)]) if ngram[:-1] == suffix}
+
+
+def _reference_process(seq, logits, length, ngram=0, bos=-1, eos=False):
+  """numpy make_logits_processor(no_repeat_ngram_size, forced_bos_id, forced_eos) after
+  output `seq` of at most `length` tokens."""
+  logits = np.array(logits, np.float32)
+  if ngram:
+    logits[list(_banned_ngram_ends(list(seq), ngram))] = decoding.NEG_INF
+  for token, at in ((bos, bos >= 0 and len(seq) == 0), (EOS, eos and len(seq) == length - 1)):
+    if at:
+      logits[:] = decoding.NEG_INF
+      logits[token] = 0.0
+  return logits
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_no_repeat_ngram_equals_reference(n):
+  rng = np.random.default_rng(n)
+  rows, length, vocab = 16, 9, 4  # a small vocabulary: many repeated n-grams
+  outputs = rng.integers(1, vocab, size=(rows, length))
+  traces = []
+
+  @jax.jit
+  def process(logits, step, sequences):  # `step` traced, as in the decoding loops
+    traces.append(1)
+    return decoding.no_repeat_ngram_processor(n)(logits, step, sequences)
+
+  for step in range(length):
+    sequences = np.where(np.arange(length) < step, outputs, 0)
+    banned = np.asarray(process(jnp.zeros((rows, vocab)), jnp.int32(step), sequences)) < 0
+    for row in range(rows):
+      want = _banned_ngram_ends(list(outputs[row, :step]), n)
+      assert set(np.flatnonzero(banned[row])) == want, (row, step)
+  assert len(traces) == 1
+
+
+def test_no_repeat_ngram_on_literal_logits():
+  process = decoding.no_repeat_ngram_processor(2)
+  logits = jnp.zeros((1, 6))
+  # After 3 5 3 4 3: bigrams (3, 5) and (3, 4) exist, so 5 and 4 may not follow the last 3.
+  out = process(logits, 5, jnp.array([[3, 5, 3, 4, 3, 0, 0]]))
+  np.testing.assert_array_equal(out[0] < 0, [0, 0, 0, 0, 1, 1])
+  # Before the last 3 (step 4, ends in 4): nothing followed a 4 yet.
+  assert not np.any(process(logits, 4, jnp.array([[3, 5, 3, 4, 0, 0, 0]])) < 0)
+  # Longer than the output: nothing to ban.
+  assert decoding.no_repeat_ngram_processor(9)(logits, 5, jnp.ones((1, 7), jnp.int32)) is logits
+
+
+def test_forced_bos_and_eos_processors_on_literal_logits():
+  logits = jnp.array([[1.0, 2.0, 3.0, 4.0]])
+  sequences = jnp.zeros((1, 3), jnp.int32)  # max_decode_len 3
+  neg = decoding.NEG_INF
+  bos = decoding.forced_bos_processor(2)
+  np.testing.assert_array_equal(bos(logits, 0, sequences), [[neg, neg, 0.0, neg]])
+  np.testing.assert_array_equal(bos(logits, 1, sequences), logits)
+  eos = decoding.forced_eos_processor(EOS)
+  np.testing.assert_array_equal(eos(logits, 2, sequences), [[neg, 0.0, neg, neg]])
+  np.testing.assert_array_equal(eos(logits, 1, sequences), logits)
+  # The forced tokens win over bans and min length (Hugging Face's order).
+  processor = decoding.make_logits_processor(eos_id=EOS, min_length=3, banned_ids=(1, 2),
+                                             forced_bos_id=2, forced_eos=True)
+  np.testing.assert_array_equal(processor(logits, 0, sequences), [[neg, neg, 0.0, neg]])
+  np.testing.assert_array_equal(processor(logits, 1, sequences), [[1.0, neg, neg, 4.0]])
+  np.testing.assert_array_equal(processor(logits, 2, sequences), [[neg, 0.0, neg, neg]])
+  with pytest.raises(ValueError, match="forced_bos_id"):
+    decoding.forced_bos_processor(-1)
+  with pytest.raises(ValueError, match="no_repeat_ngram_size"):
+    decoding.no_repeat_ngram_processor(0)
+
+
+HF_SETTINGS = [dict(ngram=2), dict(bos=4), dict(eos=True), dict(ngram=1, bos=3, eos=True)]
+
+
+def _hf_processor(ngram=0, bos=-1, eos=False):
+  return decoding.make_logits_processor(eos_id=EOS, no_repeat_ngram_size=ngram,
+                                        forced_bos_id=bos, forced_eos=eos)
+
+
+@pytest.mark.parametrize("settings", HF_SETTINGS)
+def test_greedy_with_hf_settings_equals_reference(settings):
+  vocab, length = 6, 6
+  # Random models, and one that would say 2 2 2 ... and never EOS without the settings.
+  tables = np.concatenate([_random_tables(11, 3, vocab, length),
+                           _fixed_tables([-9.0, -30.0, 0.0, -0.5, -1.0, -1.5], length)])
+  tokens, logprobs = _greedy(tables, max_len=length, processor=_hf_processor(**settings))
+  for example, table in enumerate(tables):
+    seq, logprob = [], 0.0
+    while len(seq) < length and EOS not in seq:
+      logp = _log_softmax(_reference_process(seq, table[_code(seq, vocab)], length, **settings))
+      seq.append(int(np.argmax(logp)))
+      logprob += logp[seq[-1]]
+    np.testing.assert_array_equal(tokens[example], seq + [0] * (length - len(seq)))
+    np.testing.assert_allclose(logprobs[example], logprob, rtol=1e-5)
+  fixed = list(np.asarray(tokens[-1]))
+  if "ngram" in settings:  # no n-gram twice
+    ngrams = list(zip(*[fixed[i:] for i in range(settings["ngram"])]))
+    assert len(set(ngrams)) == len(ngrams), fixed
+  if "bos" in settings:
+    assert fixed[0] == settings["bos"]
+  if "eos" in settings:
+    assert fixed[-1] == EOS
+
+
+@pytest.mark.parametrize("settings", HF_SETTINGS)
+def test_beam_with_hf_settings_equals_reference(settings):
+  vocab, length, beam = 5, 4, 3
+  tables = _random_tables(12, 3, vocab, length)
+  sequences, scores = _beam(tables, 0.6, beam_size=beam, max_len=length,
+                            processor=_hf_processor(**settings))
+  process = functools.partial(_reference_process, length=length, **settings)
+  for example, table in enumerate(tables):
+    _assert_hypotheses(sequences[example], scores[example],
+                       _reference_beam(table, beam, 0.6, length, process=process))
+
+
+def test_sampling_with_hf_settings():
+  vocab, length = 8, 5
+  tokens, _ = _sample(_random_tables(13, 2, vocab, length), jax.random.PRNGKey(0),
+                      max_len=length, num_decodes=16,
+                      processor=_hf_processor(ngram=1, bos=5, eos=True))
+  for row in np.asarray(tokens).reshape(-1, length):
+    end = list(row).index(EOS) + 1  # forced at the last position at the latest
+    assert row[0] == 5 and len(set(row[:end])) == end and np.all(row[end:] == 0)
+
+
+def test_length_penalty_kinds():
+  np.testing.assert_allclose(decoding.length_penalty(4, 1.0, "hf"), 4.0)
+  np.testing.assert_allclose(decoding.length_penalty(4, 0.5, "hf"), 2.0)
+  np.testing.assert_allclose(decoding.length_penalty(7, 1.0), 2.0)  # gnmt: (5 + 7) / 6
+  with pytest.raises(ValueError, match="'t5'"):
+    decoding.length_penalty(4, 1.0, "t5")
+
+
+def test_beam_ranks_by_the_hf_length_penalty_when_asked():
+  # [EOS] has log-prob about -1.0, [3, EOS] about -1.5: GNMT (alpha 1) divides them by 1 and
+  # 7/6 (-1.0 beats -1.29), Hugging Face by 1 and 2 (-0.75 beats -1.0).
+  table = np.full((25, 4), -30.0, np.float32)
+  table[0, 1:] = np.log([0.37, 0.26, 0.37])  # empty output: EOS, 2 or 3
+  table[_code((3,), 4), 1:] = np.log([0.6, 0.2, 0.2])  # after 3: EOS
+  table[_code((2,), 4), 1:] = np.log([0.1, 0.45, 0.45])
+  gnmt, gnmt_scores = _beam(table[None], 1.0, beam_size=2, max_len=3)
+  hf, hf_scores = _beam(table[None], 1.0, beam_size=2, max_len=3, kind="hf")
+  np.testing.assert_array_equal(gnmt[0, 0], [1, 0, 0])
+  np.testing.assert_array_equal(hf[0, 0], [3, 1, 0])
+  np.testing.assert_allclose(hf_scores[0, 0], _logprob(table, (3, 1)) / 2, rtol=1e-5)
+  # Against every output and the step-by-step reference.
+  tables = _random_tables(14, 2, 3, 4)
+  wide, wide_scores = _beam(tables, 1.0, beam_size=len(_exhaustive(tables[0], 1.0, 4)),
+                            max_len=4, kind="hf")
+  narrow, narrow_scores = _beam(tables, 1.0, beam_size=2, max_len=4, kind="hf")
+  for example, table in enumerate(tables):
+    _assert_hypotheses(wide[example], wide_scores[example], _exhaustive(table, 1.0, 4, "hf"))
+    _assert_hypotheses(narrow[example], narrow_scores[example],
+                       _reference_beam(table, 2, 1.0, 4, kind="hf"))

@@ -61,8 +61,11 @@ def combine_masks(*masks: Array | None) -> Array | None:
 
 
 def _attend(scores: Array, value: Array, mask: Array | None, dropout_rate: float,
-            dropout_rng: Array | None) -> tuple[Array, Array]:
-  """Masked softmax over keys (float32), then the weighted sum of values."""
+            dropout_rng: Array | None, bias: Array | None = None) -> tuple[Array, Array]:
+  """Masked softmax over keys (float32) of the scores plus `bias`, then the weighted sum of
+  values."""
+  if bias is not None:
+    scores = scores + bias
   if mask is not None:
     scores = jnp.where(mask, scores, _MASKED_SCORE)
   weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1)  # [b, h, q, k], rows sum to 1
@@ -76,8 +79,9 @@ def _attend(scores: Array, value: Array, mask: Array | None, dropout_rate: float
 
 def dot_product_attention(query: Array, key: Array, value: Array, mask: Array | None = None, *,
                           return_weights: bool = False, dropout_rate: float = 0.0,
-                          dropout_rng: Array | None = None):
-  """softmax(Q K^T / sqrt(d) + mask) V, per head.
+                          dropout_rng: Array | None = None, bias: Array | None = None,
+                          scale: float | None = None):
+  """softmax(Q K^T / sqrt(d) + bias + mask) V, per head.
 
   Args:
     query: [b, q, h, d].
@@ -87,14 +91,18 @@ def dot_product_attention(query: Array, key: Array, value: Array, mask: Array | 
     return_weights: also return the attention weights [b, h, q, k].
     dropout_rate: dropout on the attention weights (needs `dropout_rng`).
     dropout_rng: PRNG key for that dropout; None = no dropout.
+    bias: float32, broadcastable to [b, h, q, k], added to the scores (e.g. T5's relative
+      position bias); None = none.
+    scale: the scores' factor; None = 1 / sqrt(d) (T5 folds it into its weights: 1.0).
 
   Returns:
     [b, q, h, d] outputs in `value.dtype`, and the float32 weights if `return_weights`.
   """
   # Scores and softmax in float32, whatever the activation dtype.
   scores = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
-  scores = scores / jnp.sqrt(jnp.float32(query.shape[-1]))  # [b, h, q, k]
-  out, weights = _attend(scores, value, mask, dropout_rate, dropout_rng)
+  scale = query.shape[-1] ** -0.5 if scale is None else scale
+  scores = scores * jnp.float32(scale)  # [b, h, q, k]
+  out, weights = _attend(scores, value, mask, dropout_rate, dropout_rng, bias)
   return (out, weights) if return_weights else out
 
 
@@ -112,15 +120,19 @@ def fused_implementation(implementation: str) -> str:
 
 
 def fused_attention(query: Array, key: Array, value: Array, mask: Array | None,
-                    implementation: str) -> Array:
+                    implementation: str, bias: Array | None = None,
+                    scale: float | None = None) -> Array:
   """Dot-product attention through `jax.nn.dot_product_attention`: [b, q, h, d] like
   `dot_product_attention`, without weights or dropout."""
   implementation = fused_implementation(implementation)
+  if bias is not None:
+    bias = bias.astype(query.dtype)
   if mask is None:
-    return jax.nn.dot_product_attention(query, key, value, implementation=implementation)
+    return jax.nn.dot_product_attention(query, key, value, bias, scale=scale,
+                                        implementation=implementation)
   mask = jnp.broadcast_to(mask, (query.shape[0], 1, query.shape[1], key.shape[1]))
   if implementation != "cudnn":
-    return jax.nn.dot_product_attention(query, key, value, mask=mask,
+    return jax.nn.dot_product_attention(query, key, value, bias, mask=mask, scale=scale,
                                         implementation=implementation)
   # cuDNN must not see a query row that may attend to no key (a padding query; a packed
   # target segment without source): such a row's log-sum-exp is hugely negative, and with an
@@ -129,8 +141,8 @@ def fused_attention(query: Array, key: Array, value: Array, mask: Array | None,
   # NaN loss. Those rows attend to every key, then get the reference path's result instead:
   # uniform weights, the mean of the values.
   empty = ~jnp.any(mask, axis=-1)  # [b, 1, q]
-  out = jax.nn.dot_product_attention(query, key, value, mask=mask | empty[..., None],
-                                     implementation="cudnn")
+  out = jax.nn.dot_product_attention(query, key, value, bias, mask=mask | empty[..., None],
+                                     scale=scale, implementation="cudnn")
   mean = jnp.mean(value, axis=1, keepdims=True, dtype=jnp.float32).astype(out.dtype)
   return jnp.where(empty[:, 0, :, None, None], mean, out)  # [b, q, h, d]
 
@@ -159,6 +171,10 @@ class MultiHeadAttention(nn.Module):
   decode length. Cross-attention keys/values are projected once per source and kept in an
   'encoded_kv' collection (`_encoded_key_value`); queries of several rows per source (beams)
   attend to them without copies.
+
+  `use_bias` False drops the projections' biases and `scale_scores` False the 1/sqrt(d)
+  factor (T5, which folds it into its query weights); a `bias` [b|1, h, q, k] passed to the
+  call is added to the scores (T5's relative position bias).
   """
   num_heads: int
   qkv_dim: int
@@ -167,16 +183,18 @@ class MultiHeadAttention(nn.Module):
   score: str = "dot_product"
   implementation: str = "reference"
   kernel_init: Callable = nn.initializers.xavier_uniform()
+  use_bias: bool = True
+  scale_scores: bool = True
 
   @nn.compact
   def __call__(self, inputs_q: Array, inputs_kv: Array, mask: Array | None = None, *,
-               deterministic: bool = True, decode: bool = False):
+               deterministic: bool = True, decode: bool = False, bias: Array | None = None):
     if self.qkv_dim % self.num_heads:
       raise ValueError(f"qkv_dim={self.qkv_dim} must be divisible by num_heads={self.num_heads}.")
     head_dim = self.qkv_dim // self.num_heads
     # Logical axis names of the parameters, mapped to mesh axes by the jit layout's rules.
     projection = lambda parts, name: nn.DenseGeneral(
-        (parts, self.num_heads, head_dim), dtype=self.dtype,
+        (parts, self.num_heads, head_dim), dtype=self.dtype, use_bias=self.use_bias,
         kernel_init=_partitioned(self.kernel_init, ("embed", None, "heads", "kv")),
         bias_init=_partitioned(nn.initializers.zeros_init(), (None, "heads", "kv")), name=name)
     # Fused projections: one matmul for Q, K and V in self-attention (for K and V in
@@ -211,23 +229,24 @@ class MultiHeadAttention(nn.Module):
     if not deterministic and self.dropout_rate > 0.0:
       dropout_rng = self.make_rng("dropout")
     capture = self.is_mutable_collection("intermediates")
+    scale = None if self.scale_scores else 1.0
     if self.score == "dot_product" and self.implementation != "reference" and not (
         capture or dropout_rng is not None):
-      out = fused_attention(query, key, value, mask, self.implementation)
+      out = fused_attention(query, key, value, mask, self.implementation, bias, scale)
     else:
       if self.score == "dot_product":
         out, weights = dot_product_attention(query, key, value, mask, return_weights=True,
                                              dropout_rate=self.dropout_rate,
-                                             dropout_rng=dropout_rng)
+                                             dropout_rng=dropout_rng, bias=bias, scale=scale)
       else:
         scores = self._scores(query, key, head_dim)  # [b, h, q, k]
-        out, weights = _attend(scores, value, mask, self.dropout_rate, dropout_rng)
+        out, weights = _attend(scores, value, mask, self.dropout_rate, dropout_rng, bias)
       if capture:
         self.sow("intermediates", "attention_weights", weights)
     if copies > 1:
       out = out.reshape(rows, num_queries, *out.shape[2:])
     return nn.DenseGeneral(
-        inputs_q.shape[-1], axis=(-2, -1), dtype=self.dtype,
+        inputs_q.shape[-1], axis=(-2, -1), dtype=self.dtype, use_bias=self.use_bias,
         kernel_init=_partitioned(self.kernel_init, ("heads", "kv", "embed")),
         bias_init=_partitioned(nn.initializers.zeros_init(), ("embed",)),
         name="out")(out)  # [b, q, emb]

@@ -26,6 +26,7 @@ CHOICES = {
     "overlong": ("truncate", "drop"),
     "parallel.mode": ("pmap", "jit"),
     "decoding.method": ("greedy", "beam", "sample"),
+    "decoding.length_penalty": ("gnmt", "hf"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.position_embedding": ("sinusoidal", "learned"),
     "model.attention_implementation": ("reference", "xla", "cudnn", "auto"),
@@ -66,6 +67,8 @@ RANGES = {
     "decoding.num_decodes": (1, None, True, True),
     "decoding.min_length": (0, None, True, True),
     "decoding.repetition_penalty": (0, None, False, True),
+    "decoding.no_repeat_ngram_size": (0, None, True, True),
+    "decoding.forced_bos_id": (-1, None, True, True),
     "model.vocab_size": (8, None, True, True),
     "model.emb_dim": (1, None, True, True),
     "model.num_heads": (1, None, True, True),
@@ -172,6 +175,9 @@ def _cross_key_problems(config: ml_collections.ConfigDict,
     past_vocab = [i for i in d.banned_ids if i >= m.vocab_size]
     if past_vocab:
       found.append(f"config.decoding.banned_ids {past_vocab} are not below "
+                   f"config.model.vocab_size={m.vocab_size}")
+    if d.forced_bos_id >= m.vocab_size:
+      found.append(f"config.decoding.forced_bos_id={d.forced_bos_id} is not below "
                    f"config.model.vocab_size={m.vocab_size}")
   found += _run_record_problems(config)
   found += _rule_problems(config.parallel.logical_axis_rules)

@@ -16,8 +16,8 @@ Shared options:
     logits`, applied to the model's logits before anything else sees them; `step` (a traced
     int32 scalar) is the output position being chosen, `sequences` the output so far (zeros
     from `step` on). Log-probabilities and scores are those of the processed logits. See
-    `min_length_processor`, `banned_ids_processor`, `repetition_penalty_processor` and
-    `make_logits_processor`.
+    the processors below and `make_logits_processor`, which chains them in Hugging Face's
+    order, so that the forced BOS / EOS win over everything else.
 """
 
 from __future__ import annotations
@@ -97,6 +97,60 @@ def repetition_penalty_processor(penalty: float | Array) -> LogitsProcessor:
   return process
 
 
+def no_repeat_ngram_processor(ngram_size: int) -> LogitsProcessor:
+  """Bans every token that would complete an n-gram of `ngram_size` tokens already in the
+  output (Hugging Face's NoRepeatNGramLogitsProcessor over the output tokens; its sequence
+  also starts with the decoder start token, which `sequences` does not hold, so n-grams
+  through the start token are not banned here). `ngram_size` fixes shapes: a Python int."""
+  _check("no_repeat_ngram_size", ngram_size, lambda v: v >= 1, ">= 1")
+
+  def process(logits, step, sequences):
+    n, length = ngram_size, sequences.shape[1]
+    if n > length:  # no output holds a whole n-gram
+      return logits
+    # Window j is sequences[:, j : j + n]; it is whole (before `step`) when j <= step - n.
+    # Where its first n - 1 tokens equal the last n - 1 generated ones, its last token
+    # would repeat it.
+    starts = jnp.arange(length - n + 1)  # [windows]
+    windows = sequences[:, starts[:, None] + jnp.arange(n)]  # [rows, windows, n]
+    suffix = jax.lax.dynamic_slice_in_dim(sequences, jnp.maximum(step - n + 1, 0), n - 1,
+                                          axis=1)  # [rows, n - 1]
+    matches = jnp.all(windows[:, :, :-1] == suffix[:, None, :], axis=-1) & (
+        starts <= step - n)  # [rows, windows]
+    rows = jnp.arange(logits.shape[0])[:, None]
+    hits = jnp.zeros(logits.shape, jnp.int32).at[rows, windows[:, :, -1]].add(
+        matches.astype(jnp.int32))
+    return jnp.where(hits > 0, NEG_INF, logits)
+  return process
+
+
+def _force(logits: Array, token_id: int, at: Array) -> Array:
+  """Where `at`, every logit but `token_id`'s becomes NEG_INF and that one 0 (as Hugging
+  Face's forcing processors do: the forced token costs nothing)."""
+  only = jnp.where(jnp.arange(logits.shape[-1]) == token_id, 0.0, NEG_INF)  # [vocab]
+  return jnp.where(at, only, logits)
+
+
+def forced_bos_processor(token_id: int) -> LogitsProcessor:
+  """Forces `token_id` at output position 0 (Hugging Face's forced_bos_token_id, e.g. the
+  target-language token of multilingual BART)."""
+  _check("forced_bos_id", token_id, lambda v: v >= 0, ">= 0")
+
+  def process(logits, step, sequences):
+    del sequences
+    return _force(logits, token_id, step == 0)
+  return process
+
+
+def forced_eos_processor(eos_id: int) -> LogitsProcessor:
+  """Forces EOS at the last output position, max_decode_len - 1 (Hugging Face's
+  forced_eos_token_id), so that no output is cut off without one."""
+
+  def process(logits, step, sequences):
+    return _force(logits, eos_id, step == sequences.shape[1] - 1)
+  return process
+
+
 def chain_processors(*processors: LogitsProcessor | None) -> LogitsProcessor | None:
   """One processor applying `processors` in order (None ones skipped; None if none is left)."""
   processors = [p for p in processors if p is not None]
@@ -111,13 +165,19 @@ def chain_processors(*processors: LogitsProcessor | None) -> LogitsProcessor | N
 
 
 def make_logits_processor(*, eos_id: int, min_length: int = 0, banned_ids: Sequence[int] = (),
-                          repetition_penalty: float = 1.0) -> LogitsProcessor | None:
-  """The processor for the `decoding` config's min_length / banned_ids / repetition_penalty
-  (None when all are off)."""
+                          repetition_penalty: float = 1.0, no_repeat_ngram_size: int = 0,
+                          forced_bos_id: int = -1,
+                          forced_eos: bool = False) -> LogitsProcessor | None:
+  """The processor for the `decoding` config's settings (None when all are off), in Hugging
+  Face's order: repetition penalty, no-repeat n-grams, banned ids, min length, forced BOS,
+  forced EOS."""
   return chain_processors(
-      min_length_processor(min_length, eos_id) if min_length else None,
+      repetition_penalty_processor(repetition_penalty) if repetition_penalty != 1.0 else None,
+      no_repeat_ngram_processor(no_repeat_ngram_size) if no_repeat_ngram_size else None,
       banned_ids_processor(banned_ids) if len(banned_ids) else None,
-      repetition_penalty_processor(repetition_penalty) if repetition_penalty != 1.0 else None)
+      min_length_processor(min_length, eos_id) if min_length else None,
+      forced_bos_processor(forced_bos_id) if forced_bos_id >= 0 else None,
+      forced_eos_processor(eos_id) if forced_eos else None)
 
 
 # ---- Greedy and sampling -------------------------------------------------------------------
@@ -266,9 +326,23 @@ def sample(cache: Any, tokens_to_logits: TokensToLogits, rng: Array, *, batch_si
 
 # ---- Beam search ---------------------------------------------------------------------------
 
-def length_penalty(length: Array, alpha: float | Array) -> Array:
-  """GNMT length penalty ((5 + length) / 6) ** alpha; scores are log-probs divided by it."""
-  return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
+LENGTH_PENALTIES = ("gnmt", "hf")
+
+
+def length_penalty(length: Array, alpha: float | Array, kind: str = "gnmt") -> Array:
+  """What beam search divides a hypothesis's log-probability by; `length` counts its output
+  tokens, EOS included.
+
+  'gnmt': ((5 + length) / 6) ** alpha (Wu et al., 2016). 'hf': length ** alpha, Hugging
+  Face's `length_penalty` (transformers v5 `_beam_search` divides by
+  (cur_len + 1 - decoder_prompt_len) ** length_penalty: the tokens generated after the
+  decoder start token, EOS included, which is `length` here; a decoder prompt counts in
+  `length`, where Hugging Face leaves its decoder_input_ids out).
+  """
+  if kind not in LENGTH_PENALTIES:
+    raise ValueError(f"length penalty kind={kind!r} must be one of {LENGTH_PENALTIES}")
+  length = jnp.asarray(length, jnp.float32)
+  return (length if kind == "hf" else (5.0 + length) / 6.0) ** alpha
 
 
 def flat_batch_beam_expand(x: Array, beam_size: int) -> Array:
@@ -302,16 +376,18 @@ def beam_search(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, *,
                 beam_size: int, alpha: float | Array, eos_id: int,
                 max_decode_len: int | None = None, bos_id: int = 2,
                 decoder_prompt: Array | None = None,
-                logits_processor: LogitsProcessor | None = None) -> tuple[Array, Array]:
-  """Beam search with the GNMT length penalty, keeping live and finished hypotheses apart (as
-  t5x does).
+                logits_processor: LogitsProcessor | None = None,
+                length_penalty_kind: str = "gnmt") -> tuple[Array, Array]:
+  """Beam search with a length penalty, keeping live and finished hypotheses apart (as t5x
+  does).
 
   Per example there are up to `beam_size` live hypotheses (no EOS yet) and the `beam_size`
-  best finished ones (ended by EOS), scored log-probability / length_penalty(length, alpha),
-  the length counting EOS. Each step extends every live hypothesis by every token and keeps the
-  2 * beam_size best extensions by log-probability: those ending in EOS compete for the
-  finished slots, the best beam_size others stay live. (With only beam_size, hypotheses that
-  end would take the places of live ones, and a better hypothesis found late could be lost.)
+  best finished ones (ended by EOS), scored log-probability / length_penalty(length, alpha,
+  length_penalty_kind), the length counting EOS (and the decoder prompt). Each step extends
+  every live hypothesis by every token and keeps the 2 * beam_size best extensions by
+  log-probability: those ending in EOS compete for the finished slots, the best beam_size
+  others stay live. (With only beam_size, hypotheses that end would take the places of live
+  ones, and a better hypothesis found late could be lost.)
 
   A hypothesis has at most `max_decode_len` tokens, EOS included; one that reaches it without
   EOS has not finished. The search stops at that length, or earlier once every example has
@@ -327,6 +403,7 @@ def beam_search(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, *,
     beam_size: hypotheses kept per example.
     alpha: length-penalty exponent (0 = plain log-probability; the paper uses 0.6); may be
       traced.
+    length_penalty_kind: 'gnmt' or 'hf' (Hugging Face's); see `length_penalty`.
     eos_id: end-of-sequence id.
     max_decode_len: longest output in tokens, EOS included; default source length + 50.
     bos_id: first decoder input token.
@@ -339,6 +416,7 @@ def beam_search(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, *,
     filled are zeros scoring NEG_INF. Log-probs <= NEG_INF / 2 count as impossible.
   """
   _check("beam_size", beam_size, lambda v: v >= 1, ">= 1")
+  penalty = lambda num_tokens: length_penalty(num_tokens, alpha, length_penalty_kind)
   batch_size = inputs.shape[0]
   if max_decode_len is None:
     max_decode_len = inputs.shape[1] + 50
@@ -356,8 +434,7 @@ def beam_search(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, *,
     step, _, live_logprobs, _, finished_scores, _ = state
     best_live = live_logprobs[:, 0]  # [batch]: live beams are sorted, best first
     # A live hypothesis ends with a length in (step, max_decode_len] and a lower log-prob.
-    bound = jnp.maximum(best_live / length_penalty(step + 1, alpha),
-                        best_live / length_penalty(length, alpha))
+    bound = jnp.maximum(best_live / penalty(step + 1), best_live / penalty(length))
     worst_finished = finished_scores[:, -1]  # NEG_INF while a slot is free
     done = ((worst_finished > NEG_INF / 2) & (worst_finished > bound)) | (
         best_live <= NEG_INF / 2)
@@ -392,7 +469,7 @@ def beam_search(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, *,
     live_seqs = _gather_beams(top_seqs, keep)
     cache = _gather_cache(cache, _gather_beams(top_beams, keep), k)
     # Finished: the k best of the old ones and those that ended now.
-    new_scores = jnp.where(ends, top_logprobs / length_penalty(step + 1, alpha), NEG_INF)
+    new_scores = jnp.where(ends, top_logprobs / penalty(step + 1), NEG_INF)
     finished_scores, keep = jax.lax.top_k(
         jnp.concatenate([finished_scores, new_scores], axis=1), k)  # [batch, k] of 3k
     finished_seqs = _gather_beams(jnp.concatenate([finished_seqs, top_seqs], axis=1), keep)
@@ -406,7 +483,7 @@ def beam_search(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, *,
   live_index = jnp.arange(k)[None, :] - num_finished[:, None]  # [batch, k]; < 0: finished
   take = jnp.clip(live_index, 0, k - 1)
   live_scores = jnp.where(live_logprobs > NEG_INF / 2,
-                          live_logprobs / length_penalty(length, alpha), NEG_INF)
+                          live_logprobs / penalty(length), NEG_INF)
   use_live = live_index >= 0
   sequences = jnp.where(use_live[:, :, None], _gather_beams(live_seqs, take), finished_seqs)
   scores = jnp.where(use_live, jnp.take_along_axis(live_scores, take, axis=1), finished_scores)

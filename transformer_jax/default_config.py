@@ -157,8 +157,12 @@ def get_config() -> ml_collections.ConfigDict:
       method="beam",
       # Beam search: hypotheses kept per example.
       beam_size=4,
-      # Beam search: GNMT length-penalty exponent (0 = plain log-probability).
+      # Beam search: length-penalty exponent (0 = plain log-probability).
       alpha=0.6,
+      # Beam search: scores are log-probability / penalty, 'gnmt': ((5 + length) / 6) ** alpha,
+      # or 'hf': length ** alpha (Hugging Face's length_penalty = alpha); length in output
+      # tokens, EOS included.
+      length_penalty="gnmt",
       # Sampling: softmax temperature, >= 0; 0 = greedy.
       temperature=1.0,
       # Sampling: keep the k most likely tokens; 0 = all.
@@ -177,6 +181,15 @@ def get_config() -> ml_collections.ConfigDict:
       # Every method: CTRL repetition penalty on tokens already in the output, > 0; 1 = off,
       # above 1 discourages repeats.
       repetition_penalty=1.0,
+      # Every method: no n-gram of this many tokens twice in an output (Hugging Face's
+      # no_repeat_ngram_size; the decoder start token is not part of the output); 0 = off.
+      no_repeat_ngram_size=0,
+      # Every method: the first output token is this id (Hugging Face's forced_bos_token_id,
+      # e.g. mBART's target language); -1 = none.
+      forced_bos_id=-1,
+      # Every method: an output that reaches max_decode_len ends with EOS at its last position
+      # (Hugging Face's forced_eos_token_id).
+      forced_eos=False,
       # Sampling seed.
       seed=0,
   ))

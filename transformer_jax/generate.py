@@ -69,18 +69,22 @@ def search(cache: Any, tokens_to_logits: decoding.TokensToLogits, rng: Array, *,
   search, the log-probability for greedy and sampled outputs.
 
   `cache` is per example (the searches expand it); `tokens_to_logits` sees
-  `copies(decoding_config, nbest)` rows per example. Min length, banned ids and the
-  repetition penalty of `decoding_config` apply to every method.
+  `copies(decoding_config, nbest)` rows per example. The logits processors of
+  `decoding_config` (min length, banned ids, repetition penalty, no-repeat n-grams, forced
+  BOS / EOS) apply to every method.
   """
   d = decoding_config
   common = dict(eos_id=tokenizer_lib.EOS_ID, max_decode_len=max_len, bos_id=start_id,
                 logits_processor=decoding.make_logits_processor(
                     eos_id=tokenizer_lib.EOS_ID, min_length=d.min_length,
-                    banned_ids=tuple(d.banned_ids), repetition_penalty=d.repetition_penalty))
+                    banned_ids=tuple(d.banned_ids), repetition_penalty=d.repetition_penalty,
+                    no_repeat_ngram_size=d.no_repeat_ngram_size,
+                    forced_bos_id=d.forced_bos_id, forced_eos=d.forced_eos))
   if d.method == "beam":
     dummy_inputs = jnp.zeros((batch_size, 1), jnp.int32)  # beam_search reads only its shape
     sequences, scores = decoding.beam_search(dummy_inputs, cache, tokens_to_logits,
-                                             beam_size=d.beam_size, alpha=d.alpha, **common)
+                                             beam_size=d.beam_size, alpha=d.alpha,
+                                             length_penalty_kind=d.length_penalty, **common)
     return sequences[:, :nbest], scores[:, :nbest]
   if d.method == "greedy":
     tokens, scores = decoding.greedy_search(cache, tokens_to_logits, batch_size=batch_size,

@@ -1,4 +1,5 @@
-"""Building blocks: positional encodings, position embeddings and the feed-forward network."""
+"""Building blocks: positional encodings, position embeddings, relative position bias, norms
+and the feed-forward network."""
 
 from __future__ import annotations
 
@@ -29,6 +30,75 @@ def sinusoidal_positions(length: int, dim: int, base: float = 10000.0) -> np.nda
   table[:, 0::2] = np.sin(angles)
   table[:, 1::2] = np.cos(angles[:, : dim // 2])
   return table.astype(np.float32)
+
+
+def sinusoidal_positions_halves(length: int, dim: int, base: float = 10000.0) -> np.ndarray:
+  """The same frequencies as `sinusoidal_positions`, laid out [sin ... | cos ...]: the first
+  half of the dimensions are sines, the second half cosines (fairseq, Marian / OPUS-MT)."""
+  table = sinusoidal_positions(length, dim, base)
+  return np.concatenate([table[:, 0::2], table[:, 1::2]], axis=1)
+
+
+def relative_position_buckets(relative_position: Array, *, bidirectional: bool,
+                              num_buckets: int, max_distance: int) -> Array:
+  """T5's bucket of each key position minus query position (Raffel et al., 2020).
+
+  Half of the buckets (all of them when causal: future keys are masked) hold the exact small
+  distances, the other half logarithmically wider ones up to `max_distance`, beyond which
+  everything shares the last bucket; bidirectional buckets use one half per direction.
+  The log is taken in float32 and truncated, as the reference implementation does, so that
+  imported checkpoints see exactly their buckets.
+  """
+  buckets = jnp.zeros_like(relative_position)
+  if bidirectional:
+    num_buckets //= 2
+    buckets = buckets + (relative_position > 0).astype(relative_position.dtype) * num_buckets
+    distance = jnp.abs(relative_position)
+  else:
+    distance = -jnp.minimum(relative_position, 0)
+  max_exact = num_buckets // 2
+  scaled = (jnp.log(jnp.maximum(distance, 1).astype(jnp.float32) / max_exact)
+            / jnp.float32(math.log(max_distance / max_exact)) * (num_buckets - max_exact))
+  large = jnp.minimum(max_exact + scaled.astype(distance.dtype), num_buckets - 1)
+  return buckets + jnp.where(distance < max_exact, distance, large)
+
+
+class RelativePositionBias(nn.Module):
+  """A learned bias per head and relative-position bucket, added to attention scores (T5).
+
+  Returns float32 [b, heads, q, k] for query positions [b|1, q] and key positions [b|1, k].
+  """
+  num_heads: int
+  num_buckets: int = 32
+  max_distance: int = 128
+  bidirectional: bool = True
+
+  @nn.compact
+  def __call__(self, query_positions: Array, key_positions: Array) -> Array:
+    table = self.param("embedding", nn.with_logical_partitioning(
+        nn.initializers.normal(stddev=1.0), (None, "heads")),
+                       (self.num_buckets, self.num_heads))  # [buckets, h]
+    relative = key_positions[:, None, :] - query_positions[:, :, None]  # [b, q, k]
+    buckets = relative_position_buckets(relative, bidirectional=self.bidirectional,
+                                        num_buckets=self.num_buckets,
+                                        max_distance=self.max_distance)
+    bias = jnp.take(table, buckets, axis=0)  # [b, q, k, h]
+    return jnp.transpose(bias, (0, 3, 1, 2)).astype(jnp.float32)  # [b, h, q, k]
+
+
+class RMSNorm(nn.Module):
+  """Root-mean-square norm without a bias or centring (T5's LayerNorm): x / rms(x) * scale,
+  the mean of squares taken in float32 whatever the activation dtype."""
+  epsilon: float = 1e-6
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones_init(),
+                                                             ("embed",)), (x.shape[-1],))
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.epsilon)
+    return (normed * scale).astype(self.dtype)
 
 
 def dropout_keep_mask(rng: Array, rate: float, shape: tuple[int, ...]) -> tuple[Array, float]:
@@ -88,14 +158,18 @@ class Dropout(nn.Module):
     return jnp.where(keep, x / jnp.asarray(keep_prob, x.dtype), jnp.zeros_like(x))
 
 
+POSITION_EMBEDDINGS = ("sinusoidal", "sinusoidal_halves", "learned", "relative")
+
+
 class PositionEmbedding(nn.Module):
-  """Adds sinusoidal or learned position embeddings to token embeddings.
+  """Adds sinusoidal or learned position embeddings to token embeddings ('relative': none;
+the attention layers add a relative position bias instead).
 
   Positions are explicit for packed examples (`positions`), 0..len-1 otherwise. In decode mode
   a cache counter gives the absolute position of the tokens fed in this call.
   """
   max_len: int
-  kind: str = "sinusoidal"  # or "learned"
+  kind: str = "sinusoidal"  # or "sinusoidal_halves", "learned", "relative"
   base: float = 10000.0
 
   @nn.compact
@@ -104,14 +178,18 @@ class PositionEmbedding(nn.Module):
     """`decode_offset` [b]: in decode mode, row i's tokens sit offset[i] positions before
     their cache slots (a decoder-only model's right-padded prompts were filled in first)."""
     length, dim = x.shape[1], x.shape[2]
+    if self.kind == "relative":
+      return x
     if self.kind == "sinusoidal":
       table = jnp.asarray(sinusoidal_positions(self.max_len, dim, self.base))
+    elif self.kind == "sinusoidal_halves":
+      table = jnp.asarray(sinusoidal_positions_halves(self.max_len, dim, self.base))
     elif self.kind == "learned":
       table = self.param("pos_embedding", nn.with_logical_partitioning(
           nn.initializers.normal(stddev=0.02), (None, "embed")), (self.max_len, dim))
     else:
-      raise ValueError(f"Unknown position embedding kind {self.kind!r}: use 'sinusoidal' or "
-                       "'learned'.")
+      raise ValueError(f"Unknown position embedding kind {self.kind!r}: use one of "
+                       f"{POSITION_EMBEDDINGS}.")
     if length > self.max_len and not (decode and self.has_variable("cache", "position_index")):
       # A gather past the table's end would give NaN, not an error.
       raise ValueError(f"A sequence of {length} tokens is longer than the model's position "
@@ -131,34 +209,39 @@ class PositionEmbedding(nn.Module):
 
 
 _GELU = lambda x: nn.gelu(x, approximate=False)  # exact, as torch's "gelu"
+_GELU_TANH = lambda x: nn.gelu(x, approximate=True)  # HF's "gelu_new" (T5 v1.1, GPT-2)
 # activation name -> (function, gated)
-_ACTIVATIONS = {"relu": (nn.relu, False), "gelu": (_GELU, False),
-                "reglu": (nn.relu, True), "geglu": (_GELU, True)}
+ACTIVATIONS = {"relu": (nn.relu, False), "gelu": (_GELU, False),
+               "gelu_tanh": (_GELU_TANH, False), "silu": (nn.silu, False),
+               "reglu": (nn.relu, True), "geglu": (_GELU, True),
+               "geglu_tanh": (_GELU_TANH, True), "swiglu": (nn.silu, True)}
 
 
 class FeedForward(nn.Module):
   """Position-wise feed-forward network: act(x W1 + b1) W2 + b2.
 
-  `activation` is 'relu' (the paper), 'gelu', or a gated linear unit (Shazeer, 2020):
-  'geglu' = gelu(x W_gate) * (x W1), 'reglu' = relu(x W_gate) * (x W1).
+  `activation` is 'relu' (the paper), 'gelu' (exact), 'gelu_tanh' (its tanh approximation),
+  'silu', or a gated linear unit (Shazeer, 2020): 'geglu' = gelu(x W_gate) * (x W1), likewise
+  'geglu_tanh', 'reglu' (relu) and 'swiglu' (silu). `use_bias` False: no biases (T5).
   """
   mlp_dim: int
   dropout_rate: float = 0.0  # on the hidden activations
   activation: str = "relu"
   dtype: Any = jnp.float32
   kernel_init: Any = nn.initializers.xavier_uniform()
+  use_bias: bool = True
 
   @nn.compact
   def __call__(self, x: Array, *, deterministic: bool = True) -> Array:
     # Logical axis names of the parameters, mapped to mesh axes by the jit layout's rules.
     dense = lambda features, axes, name: nn.Dense(
-        features, dtype=self.dtype, name=name,
+        features, dtype=self.dtype, name=name, use_bias=self.use_bias,
         kernel_init=nn.with_logical_partitioning(self.kernel_init, axes),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]))
-    if self.activation not in _ACTIVATIONS:
-      raise ValueError(f"Unknown feed-forward activation {self.activation!r}: use 'relu', "
-                       "'gelu', 'geglu' or 'reglu'.")
-    act, gated = _ACTIVATIONS[self.activation]
+    if self.activation not in ACTIVATIONS:
+      raise ValueError(f"Unknown feed-forward activation {self.activation!r}: use one of "
+                       f"{sorted(ACTIVATIONS)}.")
+    act, gated = ACTIVATIONS[self.activation]
     hidden = dense(self.mlp_dim, ("embed", "mlp"), "wi")(x)  # [b, len, mlp]
     if gated:
       hidden = act(dense(self.mlp_dim, ("embed", "mlp"), "wi_gate")(x)) * hidden

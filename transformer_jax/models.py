@@ -47,11 +47,24 @@ class TransformerConfig:
   pre_ln: bool = False  # False: post-LN as in the paper; True: pre-LN
   final_norm: bool | None = None  # LayerNorm after each stack; None = pre_ln
   layer_norm_epsilon: float = 1e-6
-  ffn_activation: str = "relu"  # 'relu', 'gelu', 'geglu', 'reglu'
-  position_embedding: str = "sinusoidal"  # or "learned"
+  norm: str = "layernorm"  # or 'rmsnorm' (no bias, no centring: T5)
+  # 'relu', 'gelu', 'gelu_tanh', 'silu', gated: 'geglu', 'geglu_tanh', 'reglu', 'swiglu'
+  ffn_activation: str = "relu"
+  use_bias: bool = True  # biases in the attention and feed-forward projections (T5: none)
+  scale_attention_scores: bool = True  # scores / sqrt(head_dim) (T5 folds it into weights)
+  # 'sinusoidal' (interleaved), 'sinusoidal_halves' ([sin | cos]: Marian), 'learned', or
+  # 'relative' (T5: a learned bias per relative-position bucket, added to attention scores)
+  position_embedding: str = "sinusoidal"
   position_base: float = 10000.0
+  relative_attention_num_buckets: int = 32  # 'relative': buckets per direction pair
+  relative_attention_max_distance: int = 128  # 'relative': distances beyond share a bucket
+  relative_bias_per_layer: bool = False  # 'relative': a bias per layer (UMT5), not per stack
+  scale_embeddings: bool = True  # token embeddings x sqrt(emb_dim) (the paper; not T5/BART)
+  embedding_norm: bool = False  # a norm after token + position embeddings (BART)
   share_embeddings: bool = True  # one embedding for source and target tokens
   tie_output: bool = True  # output layer = transposed target embedding
+  output_rescale: bool = False  # decoder states x emb_dim^-0.5 before the output (T5 v1.0)
+  logits_bias: bool = False  # a bias on the tied output's logits (BART / Marian)
   cross_attention_score: str = "dot_product"  # or 'multiplicative', 'additive'
   attention_implementation: str = "reference"  # or 'xla', 'cudnn', 'auto' (jax.nn)
   remat: bool = False  # recompute each layer's activations in the backward pass
@@ -150,7 +163,7 @@ def residual_stream(x: Array) -> Array:
 
 
 class SublayerConnection(nn.Module):
-  """Residual connection with LayerNorm after (post-LN) or before (pre-LN) the sublayer."""
+  """Residual connection with a norm after (post-LN) or before (pre-LN) the sublayer."""
   config: TransformerConfig
 
   @nn.compact
@@ -162,7 +175,12 @@ class SublayerConnection(nn.Module):
     return x + y if c.pre_ln else norm(x + y)
 
 
-def _layer_norm(c: TransformerConfig, name: str) -> nn.LayerNorm:
+def _layer_norm(c: TransformerConfig, name: str) -> nn.Module:
+  """The config's norm: LayerNorm, or RMSNorm (`norm='rmsnorm'`)."""
+  if c.norm == "rmsnorm":
+    return layers.RMSNorm(c.layer_norm_epsilon, c.dtype, name=name)
+  if c.norm != "layernorm":
+    raise ValueError(f"Unknown norm {c.norm!r}: use 'layernorm' or 'rmsnorm'.")
   embed = lambda init: nn.with_logical_partitioning(init, ("embed",))
   return nn.LayerNorm(epsilon=c.layer_norm_epsilon, dtype=c.dtype, name=name,
                       scale_init=embed(nn.initializers.ones_init()),
@@ -171,7 +189,7 @@ def _layer_norm(c: TransformerConfig, name: str) -> nn.LayerNorm:
 
 def _logits_dense(c: TransformerConfig) -> nn.Dense:
   """The output layer when it is not tied to the embedding."""
-  return nn.Dense(c.vocab_size, dtype=jnp.float32,
+  return nn.Dense(c.vocab_size, dtype=jnp.float32, use_bias=c.use_bias,
                   kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
                                                            ("embed", "vocab")),
                   bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(),
@@ -180,12 +198,38 @@ def _logits_dense(c: TransformerConfig) -> nn.Dense:
 
 def _attention(c: TransformerConfig, name: str, score: str = "dot_product"):
   return attention.MultiHeadAttention(c.num_heads, c.qkv_dim, c.attention_dropout_rate, c.dtype,
-                                      score, c.attention_implementation, name=name)
+                                      score, c.attention_implementation,
+                                      use_bias=c.use_bias,
+                                      scale_scores=c.scale_attention_scores, name=name)
 
 
 def _ffn(c: TransformerConfig):
   rate = c.dropout_rate if c.activation_dropout_rate is None else c.activation_dropout_rate
-  return layers.FeedForward(c.mlp_dim, rate, c.ffn_activation, c.dtype, name="ffn")
+  return layers.FeedForward(c.mlp_dim, rate, c.ffn_activation, c.dtype, use_bias=c.use_bias,
+                            name="ffn")
+
+
+def _relative_bias(c: TransformerConfig, name: str, bidirectional: bool):
+  return layers.RelativePositionBias(c.num_heads, c.relative_attention_num_buckets,
+                                     c.relative_attention_max_distance, bidirectional,
+                                     name=name)
+
+
+def _relative_biases(c: TransformerConfig, num_layers: int, bidirectional: bool,
+                     query_positions: Array, key_positions: Array) -> list[Array]:
+  """Each layer's relative position bias [b, h, q, k] (inside a stack's compact call): one
+  table for the stack, which T5 keeps in its first layer, or one per layer (UMT5)."""
+  if not c.relative_bias_per_layer:
+    bias = _relative_bias(c, "relative_bias", bidirectional)(query_positions, key_positions)
+    return [bias] * num_layers
+  return [_relative_bias(c, f"relative_bias_{i}", bidirectional)(query_positions,
+                                                                 key_positions)
+          for i in range(num_layers)]
+
+
+def _stack_positions(length: int, positions: Array | None) -> Array:
+  """[b|1, len] positions of a stack's tokens: the packed ones, else 0..len-1."""
+  return jnp.arange(length)[None, :] if positions is None else positions
 
 
 class EncoderLayer(nn.Module):
@@ -193,11 +237,12 @@ class EncoderLayer(nn.Module):
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, x: Array, mask: Array | None, deterministic: bool) -> Array:
+  def __call__(self, x: Array, mask: Array | None, deterministic: bool,
+               bias: Array | None = None) -> Array:
     residual = lambda name: SublayerConnection(self.config, name=name)
     self_attention = _attention(self.config, "self_attention")
     x = residual("self_attention_block")(
-        x, lambda h: self_attention(h, h, mask, deterministic=deterministic),
+        x, lambda h: self_attention(h, h, mask, deterministic=deterministic, bias=bias),
         deterministic=deterministic)
     ffn = _ffn(self.config)
     return residual("ffn_block")(x, lambda h: ffn(h, deterministic=deterministic),
@@ -210,12 +255,14 @@ class DecoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, y: Array, encoded: Array | None, self_mask: Array | None,
-               cross_mask: Array | None, deterministic: bool, decode: bool) -> Array:
+               cross_mask: Array | None, deterministic: bool, decode: bool,
+               bias: Array | None = None) -> Array:
     c = self.config
     residual = lambda name: SublayerConnection(c, name=name)
     self_attention = _attention(c, "self_attention")
     y = residual("self_attention_block")(
-        y, lambda h: self_attention(h, h, self_mask, deterministic=deterministic, decode=decode),
+        y, lambda h: self_attention(h, h, self_mask, deterministic=deterministic, decode=decode,
+                                    bias=bias),
         deterministic=deterministic)
     if encoded is not None:
       cross_attention = _attention(c, "cross_attention", c.cross_attention_score)
@@ -229,15 +276,21 @@ class DecoderLayer(nn.Module):
 
 
 class EncoderStack(nn.Module):
-  """num_layers encoder layers on embedded inputs [b, len, emb]."""
+  """num_layers encoder layers on embedded inputs [b, len, emb]; `positions` [b, len] (packed
+  rows) matter only for a relative position bias."""
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
+  def __call__(self, x: Array, mask: Array | None, *, deterministic: bool,
+               positions: Array | None = None) -> Array:
     c = self.config
     layer = _remat(EncoderLayer, c, static_argnums=(3,))  # `deterministic`, counting self
+    biases = [None] * c.num_layers
+    if c.position_embedding == "relative":
+      positions = _stack_positions(x.shape[1], positions)
+      biases = _relative_biases(c, c.num_layers, True, positions, positions)
     for i in range(c.num_layers):
-      x = layer(c, name=f"layer_{i}")(residual_stream(x), mask, deterministic)
+      x = layer(c, name=f"layer_{i}")(residual_stream(x), mask, deterministic, biases[i])
     if c.pre_ln if c.final_norm is None else c.final_norm:
       x = _layer_norm(c, "final_norm")(x)
     return x
@@ -249,19 +302,45 @@ class DecoderStack(nn.Module):
 
   @nn.compact
   def __call__(self, y: Array, encoded: Array | None, self_mask: Array | None,
-               cross_mask: Array | None, *, deterministic: bool, decode: bool) -> Array:
+               cross_mask: Array | None, *, deterministic: bool, decode: bool,
+               positions: Array | None = None) -> Array:
     c = self.config
     layer = _remat(DecoderLayer, c, static_argnums=(5, 6))  # deterministic, decode
-    for i in range(c.num_decoder_layers or c.num_layers):
+    num_layers = c.num_decoder_layers or c.num_layers
+    biases = [None] * num_layers
+    if c.position_embedding == "relative":
+      query_positions, key_positions = self._relative_positions(y, positions, decode)
+      biases = _relative_biases(c, num_layers, False, query_positions, key_positions)
+    for i in range(num_layers):
       y = layer(c, name=f"layer_{i}")(residual_stream(y), encoded, self_mask, cross_mask,
-                                      deterministic, decode)
+                                      deterministic, decode, biases[i])
     if c.pre_ln if c.final_norm is None else c.final_norm:
       y = _layer_norm(c, "final_norm")(y)
     return y
 
+  def _relative_positions(self, y: Array, positions: Array | None, decode: bool):
+    """Query and key positions of the self-attention's relative bias. Decoding, the cache
+    holds each slot's position beside the keys (written as tokens are fed; rows are beams)."""
+    length = y.shape[1]
+    if not decode:
+      positions = _stack_positions(length, positions)
+      return positions, positions
+    initialized = self.has_variable("cache", "cached_positions")
+    cached = self.variable("cache", "cached_positions", jnp.zeros, (y.shape[0], length),
+                           jnp.int32)
+    index = self.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
+    if not initialized:  # the init pass only creates the cache
+      return _stack_positions(length, None), _stack_positions(length, None)
+    new = jnp.broadcast_to(index.value + jnp.arange(length, dtype=jnp.int32),
+                           (y.shape[0], length))  # [b, len]
+    cached.value = jax.lax.dynamic_update_slice(cached.value, new, (0, index.value))
+    index.value = index.value + length
+    return new, cached.value
+
 
 class TokenEmbedding(nn.Module):
-  """Token embedding scaled by sqrt(emb_dim), plus positions; `attend` gives output logits."""
+  """Token embedding (scaled by sqrt(emb_dim) unless `scale_embeddings` is off); `attend`
+  gives the tied output logits."""
   config: TransformerConfig
 
   def setup(self):
@@ -276,10 +355,42 @@ class TokenEmbedding(nn.Module):
     # weight before use): a lookup into a vocab x embed-sharded table has no efficient sharding.
     table = nn.with_logical_constraint(self.embedding.embedding, (None, None))
     embedded = residual_stream(jnp.take(table, tokens, axis=0))  # [b, len, emb]
-    return (embedded * jnp.sqrt(jnp.float32(c.emb_dim))).astype(c.dtype)
+    if c.scale_embeddings:
+      embedded = embedded * jnp.sqrt(jnp.float32(c.emb_dim))
+    return embedded.astype(c.dtype)
 
   def attend(self, y: Array) -> Array:
     return layers.tied_logits(y.astype(jnp.float32), self.embedding.embedding)  # float32
+
+
+def _output_logits(module: nn.Module, embedding: TokenEmbedding, y: Array) -> Array:
+  """Decoder states -> float32 logits: the tied embedding (plus the config's `logits_bias`,
+  a parameter 'logits_bias' of `module`), or `module.logits_dense` when untied."""
+  c = module.config
+  y = y.astype(jnp.float32)
+  if c.output_rescale:
+    y = y * jnp.float32(c.emb_dim ** -0.5)
+  if not c.tie_output:
+    return module.logits_dense(y)
+  logits = embedding.attend(y)  # [b, len, vocab]
+  if c.logits_bias:
+    logits = logits + module.logits_bias
+  return logits
+
+
+def _output_params(module: nn.Module) -> None:
+  """The output layer's parameters, in `module.setup`: see `_output_logits`."""
+  c = module.config
+  if not c.tie_output:
+    module.logits_dense = _logits_dense(c)
+  elif c.logits_bias:
+    module.logits_bias = module.param("logits_bias", nn.with_logical_partitioning(
+        nn.initializers.zeros_init(), ("vocab",)), (c.vocab_size,))
+
+
+def _embedding_norm(c: TransformerConfig, name: str):
+  """The norm after token + position embeddings (BART), or the identity."""
+  return _layer_norm(c, name) if c.embedding_norm else (lambda x: x)
 
 
 def _positions(c: TransformerConfig, name: str) -> layers.PositionEmbedding:
@@ -300,10 +411,11 @@ class EncoderDecoder(nn.Module):
                              else TokenEmbedding(c, name="source_embedding"))
     self.encoder_positions = _positions(c, "encoder_positions")
     self.decoder_positions = _positions(c, "decoder_positions")
+    self.encoder_embedding_norm = _embedding_norm(c, "encoder_embedding_norm")
+    self.decoder_embedding_norm = _embedding_norm(c, "decoder_embedding_norm")
     self.encoder = EncoderStack(c, name="encoder")
     self.decoder = DecoderStack(c, name="decoder")
-    if not c.tie_output:
-      self.logits_dense = _logits_dense(c)
+    _output_params(self)
     self.dropout = layers.Dropout(c.dropout_rate)
 
   def encode(self, inputs: Array, inputs_position: Array | None = None,
@@ -311,8 +423,8 @@ class EncoderDecoder(nn.Module):
     """[b, src_len] tokens -> [b, src_len, emb] encoder outputs."""
     mask = self_attention_mask(inputs, inputs_segmentation, causal=False)
     x = self.encoder_positions(self.source_embedding(inputs), inputs_position)
-    x = self.dropout(x, deterministic=deterministic)
-    return self.encoder(x, mask, deterministic=deterministic)
+    x = self.dropout(self.encoder_embedding_norm(x), deterministic=deterministic)
+    return self.encoder(x, mask, deterministic=deterministic, positions=inputs_position)
 
   def decode(self, encoded: Array, inputs: Array, targets: Array,
              targets_position: Array | None = None, inputs_segmentation: Array | None = None,
@@ -340,12 +452,10 @@ class EncoderDecoder(nn.Module):
           attention.segment_mask(targets_segmentation, inputs_segmentation))
     y = self.decoder_positions(self.target_embedding(decoder_inputs), targets_position,
                                decode=decode)
-    y = self.dropout(y, deterministic=deterministic)
+    y = self.dropout(self.decoder_embedding_norm(y), deterministic=deterministic)
     y = self.decoder(y, encoded, self_mask, cross_mask, deterministic=deterministic,
-                     decode=decode)
-    if c.tie_output:
-      return self.target_embedding.attend(y)
-    return self.logits_dense(y.astype(jnp.float32))
+                     decode=decode, positions=targets_position)
+    return _output_logits(self, self.target_embedding, y)
 
   def __call__(self, inputs: Array, targets: Array, inputs_position: Array | None = None,
                targets_position: Array | None = None, inputs_segmentation: Array | None = None,
@@ -372,9 +482,9 @@ class DecoderOnly(nn.Module):
     c = self.config
     self.embedding = TokenEmbedding(c, name="embedding")
     self.positions = _positions(c, "positions")
+    self.embedding_norm = _embedding_norm(c, "embedding_norm")
     self.decoder = DecoderStack(c, name="decoder")
-    if not c.tie_output:
-      self.logits_dense = _logits_dense(c)
+    _output_params(self)
     self.dropout = layers.Dropout(c.dropout_rate)
 
   def __call__(self, tokens: Array, positions: Array | None = None,
@@ -392,11 +502,10 @@ class DecoderOnly(nn.Module):
       mask = self_attention_mask(tokens, segmentation, causal=True)
     y = self.positions(self.embedding(inputs), positions, decode=decode,
                        decode_offset=decode_offset)
-    y = self.dropout(y, deterministic=deterministic)
-    y = self.decoder(y, None, mask, None, deterministic=deterministic, decode=decode)
-    if c.tie_output:
-      return self.embedding.attend(y)
-    return self.logits_dense(y.astype(jnp.float32))
+    y = self.dropout(self.embedding_norm(y), deterministic=deterministic)
+    y = self.decoder(y, None, mask, None, deterministic=deterministic, decode=decode,
+                     positions=positions)
+    return _output_logits(self, self.embedding, y)
 
 
 class EncoderClassifier(nn.Module):
@@ -410,8 +519,10 @@ class EncoderClassifier(nn.Module):
     c = self.config
     mask = self_attention_mask(inputs, inputs_segmentation, causal=False)
     x = _positions(c, "positions")(TokenEmbedding(c, name="embedding")(inputs), inputs_position)
+    x = _embedding_norm(c, "embedding_norm")(x)
     x = layers.Dropout(c.dropout_rate)(x, deterministic=deterministic)
-    x = EncoderStack(c, name="encoder")(x, mask, deterministic=deterministic)  # [b, len, emb]
+    x = EncoderStack(c, name="encoder")(x, mask, deterministic=deterministic,
+                                        positions=inputs_position)  # [b, len, emb]
     valid = (inputs != 0)[..., None]  # [b, len, 1]
     if c.pooling == "mean":
       pooled = jnp.sum(jnp.where(valid, x, 0), axis=1) / jnp.maximum(jnp.sum(valid, axis=1), 1)

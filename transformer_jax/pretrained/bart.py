@@ -1,0 +1,107 @@
+"""BART and mBART (Hugging Face `model_type` bart, mbart).
+
+Post-LN (BART) or pre-LN with a final LayerNorm per stack (mBART) blocks with biases,
+learned positions stored two rows late, a LayerNorm over the embeddings (`layernorm_embedding`),
+GELU (erf), tied output with `final_logits_bias`. Ids: bos 0, pad 1, eos 2 = decoder start.
+marian.py reuses this weight table.
+"""
+
+from __future__ import annotations
+
+from transformer_jax.pretrained.mapping import (Entry, attention_entries, dense_entries,
+                                               norm_entries)
+
+MODEL_TYPES = ("bart", "mbart")
+EMBEDDING_TENSOR, OUTPUT_TENSOR = "model.shared.weight", "lm_head.weight"
+POSITION_OFFSET = 2  # BartLearnedPositionalEmbedding reads row position + 2
+_ATTENTION = dict(q="q_proj", k="k_proj", v="v_proj", o="out_proj")
+# activation_function (HF ACT2FN names) -> ours
+ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "gelu_new": "gelu_tanh",
+               "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "swish": "silu"}
+
+
+def get(hf: dict, key: str, default):
+  """config.json's value, or `default` where it is missing or null."""
+  value = hf.get(key)
+  return default if value is None else value
+
+
+def common_fields(hf: dict, tied: bool) -> dict:
+  """The fields BART-like configs (BART, mBART, Marian) name alike."""
+  for encoder_key, decoder_key in (("encoder_attention_heads", "decoder_attention_heads"),
+                                   ("encoder_ffn_dim", "decoder_ffn_dim")):
+    if hf.get(decoder_key, hf[encoder_key]) != hf[encoder_key]:
+      raise ValueError(f"{encoder_key} != {decoder_key} in config.json: encoders and decoders "
+                       "of different widths are not supported.")
+  activation = get(hf, "activation_function", "gelu")
+  if activation not in ACTIVATIONS:
+    raise ValueError(f"activation_function={activation!r} is not supported; supported: "
+                     f"{sorted(ACTIVATIONS)}.")
+  return dict(
+      vocab_size=hf["vocab_size"], emb_dim=hf["d_model"],
+      num_heads=hf["encoder_attention_heads"], qkv_dim=hf["d_model"],
+      mlp_dim=hf["encoder_ffn_dim"], num_layers=hf["encoder_layers"],
+      num_decoder_layers=hf["decoder_layers"], max_len=hf["max_position_embeddings"],
+      dropout_rate=get(hf, "dropout", 0.1),
+      attention_dropout_rate=get(hf, "attention_dropout", 0.0),
+      activation_dropout_rate=get(hf, "activation_dropout", 0.0),
+      norm="layernorm", layer_norm_epsilon=1e-5, ffn_activation=ACTIVATIONS[activation],
+      use_bias=True, scale_attention_scores=True,
+      scale_embeddings=bool(get(hf, "scale_embedding", False)), tie_output=tied,
+      output_rescale=False, logits_bias=True, bos_id=get(hf, "decoder_start_token_id", 2))
+
+
+def model_fields(hf: dict, tied: bool) -> dict:
+  """TransformerConfig fields of the checkpoint's config.json; `tied`: no lm_head of its own."""
+  mbart = hf["model_type"] == "mbart"
+  return dict(common_fields(hf, tied), pre_ln=mbart, final_norm=mbart,
+              position_embedding="learned", embedding_norm=True, share_embeddings=True)
+
+
+def special_ids(hf: dict) -> tuple[int, int]:
+  """The checkpoint's (pad, eos) ids."""
+  return get(hf, "pad_token_id", 1), get(hf, "eos_token_id", 2)
+
+
+def weight_table(hf: dict, fields: dict, *, learned_positions: bool = True) -> list[Entry]:
+  """Every parameter of our EncoderDecoder and the checkpoint tensors it comes from."""
+  del hf
+  if fields["share_embeddings"]:
+    table = [Entry(("shared_embedding", "embedding", "embedding"), (EMBEDDING_TENSOR,),
+                   "vocab_rows")]
+  else:
+    table = [Entry((f"{ours}_embedding", "embedding", "embedding"),
+                   (f"model.{stack}.embed_tokens.weight",), "vocab_rows")
+             for ours, stack in (("source", "encoder"), ("target", "decoder"))]
+  for stack, num_layers in (("encoder", fields["num_layers"]),
+                            ("decoder", fields["num_decoder_layers"])):
+    hf_stack = f"model.{stack}"
+    if learned_positions:
+      table.append(Entry((f"{stack}_positions", "pos_embedding"),
+                         (f"{hf_stack}.embed_positions.weight",), "offset_rows",
+                         POSITION_OFFSET))
+    if fields["embedding_norm"]:
+      table += norm_entries((f"{stack}_embedding_norm",), f"{hf_stack}.layernorm_embedding",
+                            bias=True)
+    for i in range(num_layers):
+      ours, hf_layer = (stack, f"layer_{i}"), f"{hf_stack}.layers.{i}"
+      blocks = [("self_attention", "self_attn")]
+      if stack == "decoder":
+        blocks.append(("cross_attention", "encoder_attn"))
+      for name, hf_name in blocks:
+        table += attention_entries(ours + (name,), f"{hf_layer}.{hf_name}", _ATTENTION,
+                                   self_attention=name == "self_attention", bias=True)
+        table += norm_entries(ours + (f"{name}_block", "norm"),
+                              f"{hf_layer}.{hf_name}_layer_norm", bias=True)
+      table += dense_entries(ours + ("ffn", "wi"), f"{hf_layer}.fc1", bias=True)
+      table += dense_entries(ours + ("ffn", "wo"), f"{hf_layer}.fc2", bias=True)
+      table += norm_entries(ours + ("ffn_block", "norm"), f"{hf_layer}.final_layer_norm",
+                            bias=True)
+    if fields["final_norm"]:
+      table += norm_entries((stack, "final_norm"), f"{hf_stack}.layer_norm", bias=True)
+  if fields["tie_output"]:
+    table.append(Entry(("logits_bias",), ("final_logits_bias",), "vocab_bias"))
+  else:
+    table.append(Entry(("logits_dense", "kernel"), (OUTPUT_TENSOR,), "vocab_dense"))
+    table.append(Entry(("logits_dense", "bias"), ("final_logits_bias",), "vocab_bias"))
+  return table

@@ -1,0 +1,168 @@
+"""Hugging Face checkpoint folders (or hub names) in: config, weights, special ids.
+
+`open_checkpoint(name_or_path)` resolves a folder (downloading a hub name with
+`huggingface_hub` when online), reads config.json and generation_config.json and translates
+them; `read_params(checkpoint)` reads model.safetensors (one file or an indexed set of
+shards) with `safetensors` into numpy, one tensor at a time, and returns this project's
+parameter tree. No torch is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from types import ModuleType
+
+import numpy as np
+
+
+from transformer_jax.pretrained import bart
+from transformer_jax.pretrained import mapping
+from transformer_jax.pretrained import marian
+
+from transformer_jax.pretrained import t5
+from transformer_jax.pretrained import vocab as vocab_lib
+
+ARCHITECTURES: dict[str, ModuleType] = {
+    **{name: t5 for name in t5.MODEL_TYPES}, **{name: bart for name in bart.MODEL_TYPES},
+    **{name: marian for name in marian.MODEL_TYPES}}
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+class PretrainedError(ValueError):
+  """A checkpoint that cannot be used; the message says what to do."""
+
+
+@dataclasses.dataclass
+class Checkpoint:
+  """A resolved checkpoint folder and what its config says."""
+  folder: str
+  hf_config: dict
+  generation_config: dict
+  fields: dict  # models.TransformerConfig fields
+  vocab: vocab_lib.VocabMap
+
+  @property
+  def model_type(self) -> str:
+    return self.hf_config["model_type"]
+
+  @property
+  def architecture(self) -> ModuleType:
+    return ARCHITECTURES[self.model_type]
+
+  def shapes(self) -> mapping.Shapes:
+    f = self.fields
+    return mapping.Shapes(f["num_heads"], f["qkv_dim"] // f["num_heads"], self.vocab)
+
+
+def resolve(name_or_path: str) -> str:
+  """A local folder for a folder path or a hub name (downloaded once into the usual
+  huggingface_hub cache; offline, the cached copy is used)."""
+  if os.path.isdir(name_or_path):
+    return name_or_path
+  if os.path.exists(name_or_path):
+    raise PretrainedError(f"{name_or_path} is a file; pass the checkpoint's folder (with "
+                          "config.json and model.safetensors) or a hub name.")
+  if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+    raise PretrainedError(f"No checkpoint folder {name_or_path}; check the path.")
+  try:
+    import huggingface_hub  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise PretrainedError(f"{name_or_path} is not a folder; to download hub names, pip install "
+                          "huggingface_hub (or pass a downloaded folder).") from e
+  patterns = ["*.json", "*.safetensors", "*.model", "*.spm", "*.txt", "*.bin"]
+  try:
+    return huggingface_hub.snapshot_download(name_or_path, allow_patterns=patterns)
+  except Exception as e:  # pylint: disable=broad-except
+    if type(e).__name__ in ("RepositoryNotFoundError", "GatedRepoError"):
+      raise PretrainedError(f"The hub has no (accessible) model {name_or_path}; check the "
+                            "name, or log in with `hf auth login` for gated models.") from e
+    raise PretrainedError(
+        f"Cannot download {name_or_path} ({type(e).__name__}: no network, or not cached). "
+        "Download the folder on a machine that is online (`hf download "
+        f"{name_or_path} --local-dir DIR`) and pass --pretrained DIR.") from e
+
+
+def _read_json(folder: str, name: str) -> dict:
+  path = os.path.join(folder, name)
+  if not os.path.exists(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def _check_weights(folder: str) -> None:
+  names = os.listdir(folder)
+  if WEIGHTS in names or WEIGHTS_INDEX in names:
+    return
+  if any(n.endswith(".bin") for n in names):
+    raise PretrainedError(
+        f"{folder} has PyTorch .bin weights but no model.safetensors; convert them once where "
+        "torch is installed: python -c \"import transformers as t; "
+        f"t.AutoModelForSeq2SeqLM.from_pretrained('{folder}').save_pretrained('{folder}')\".")
+  raise PretrainedError(f"{folder} has no weights (model.safetensors); pass a complete "
+                        "Hugging Face model folder.")
+
+
+def open_checkpoint(name_or_path: str) -> Checkpoint:
+  """Resolves and checks a checkpoint and translates its config; reads no weights."""
+  folder = resolve(name_or_path)
+  hf_config = _read_json(folder, "config.json")
+  if not hf_config:
+    raise PretrainedError(f"{folder} has no config.json; pass a Hugging Face model folder.")
+  model_type = hf_config.get("model_type")
+  if model_type not in ARCHITECTURES:
+    raise PretrainedError(f"model_type {model_type!r} of {name_or_path} is not supported; "
+                          f"supported: {', '.join(sorted(ARCHITECTURES))}.")
+  _check_weights(folder)
+  module = ARCHITECTURES[model_type]
+  fields = module.model_fields(hf_config, tied=_is_tied(folder, module))
+  pad_id, eos_id = module.special_ids(hf_config)
+  vocab = vocab_lib.VocabMap.create(fields["vocab_size"], pad_id, eos_id)
+  fields["bos_id"] = int(vocab.internal(fields["bos_id"]))  # the decoder start
+  return Checkpoint(folder, hf_config, _read_json(folder, "generation_config.json"), fields,
+                    vocab)
+
+
+class _Tensors:
+  """Tensors by name across the checkpoint's safetensors files, read on demand."""
+
+  def __init__(self, folder: str):
+    from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+    index = _read_json(folder, WEIGHTS_INDEX).get("weight_map")
+    files = sorted(set(index.values())) if index else [WEIGHTS]
+    self._files = {name: safe_open(os.path.join(folder, name), framework="np")
+                   for name in files}
+    self._where = {key: name for name, f in self._files.items() for key in f.keys()}
+
+  def __contains__(self, name: str) -> bool:
+    return name in self._where
+
+  def names(self) -> set[str]:
+    return set(self._where)
+
+  def __getitem__(self, name: str) -> np.ndarray:
+    if name not in self._where:
+      raise PretrainedError(f"The checkpoint has no tensor {name}: the weights do not match "
+                            "its config.json.")
+    return self._files[self._where[name]].get_tensor(name)
+
+
+def _is_tied(folder: str, module: ModuleType) -> bool:
+  """Whether the output layer is the token embedding: no output tensor of its own, or one
+  equal to the embedding (what transformers ties on load)."""
+  _check_weights(folder)
+  tensors = _Tensors(folder)
+  output, embedding = module.OUTPUT_TENSOR, module.EMBEDDING_TENSOR
+  if output not in tensors:
+    return True
+  return embedding in tensors and np.array_equal(tensors[output], tensors[embedding])
+
+
+def read_params(checkpoint: Checkpoint) -> dict:
+  """This project's parameter tree (numpy float32) of the checkpoint's weights."""
+  tensors = _Tensors(checkpoint.folder)
+  table = checkpoint.architecture.weight_table(checkpoint.hf_config, checkpoint.fields)
+  return mapping.build_params(table, tensors.__getitem__, checkpoint.shapes())

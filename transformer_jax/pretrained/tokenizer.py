@@ -1,0 +1,252 @@
+"""A Hugging Face checkpoint's own tokenizer, in this project's ids.
+
+The checkpoint's tokenizer files (tokenizer.json, spiece.model, vocab.json + merges.txt,
+Marian's source.spm + target.spm + vocab.json, ...) are loaded with
+`transformers.AutoTokenizer`, so text is split exactly as the checkpoint was trained; this
+class only renumbers ids through the import's `VocabMap` (checkpoint pad -> 0, eos -> 1) and
+offers the interface of `transformer_jax.tokenizer.Tokenizer`, so the data pipeline, the token
+cache and decoding use it unchanged.
+
+EOS: Hugging Face tokenizers append the end-of-sequence token themselves; the pipeline here
+appends EOS (internal 1) itself, so `encode` leaves a trailing EOS out and
+`pipeline.with_eos(encode(text), n)` equals the checkpoint's own ids (renumbered). Other
+special tokens the tokenizer adds, such as BART's leading `<s>`, are kept.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import os
+import pathlib
+import tempfile
+import warnings
+from typing import Sequence
+
+import numpy as np
+import transformers
+
+from transformer_jax import workdir as workdir_lib
+from transformer_jax.pretrained.vocab import VocabMap
+
+# Weight files share a checkpoint folder with the tokenizer files; a bucket load skips them.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".msgpack", ".h5", ".ot", ".pt", ".pth", ".ckpt",
+                    ".onnx", ".gguf")
+_FILES_HINT = ("the checkpoint's tokenizer files (tokenizer.json + tokenizer_config.json, "
+               "spiece.model, vocab.json + merges.txt, or source.spm + target.spm + vocab.json)")
+
+
+class PretrainedTokenizer:
+  """A checkpoint's tokenizer whose ids are this project's (pad 0, eos 1).
+
+  Args:
+    folder: a local folder or URL (gs://...) holding the checkpoint's tokenizer files.
+    vocab_map: the import's renumbering; its pad (`to_hf[0]`) and eos (`to_hf[1]`) must be the
+      tokenizer's. Without it one is built from `vocab_size`, `pad_id` and `eos_id`.
+    vocab_size: the model's vocabulary (embedding rows); the tokenizer's size by default.
+    pad_id, eos_id: the model config's pad and eos ids (checkpoint ids); the tokenizer's by
+      default. Given, they are checked against the tokenizer files.
+
+  Raises:
+    ValueError: the tokenizer files are missing, do not load, or do not belong to the model
+      (different pad / eos ids, or more pieces than the model has rows).
+  """
+
+  def __init__(self, folder: str | os.PathLike, vocab_map: VocabMap | None = None, *,
+               vocab_size: int | None = None, pad_id: int | None = None,
+               eos_id: int | None = None):
+    self._folder = os.fspath(folder)
+    self._download = None  # a bucket's files, kept while the tokenizer may read them
+    local = self._folder
+    if workdir_lib.is_url(self._folder):
+      self._download = tempfile.TemporaryDirectory(prefix="hf_tokenizer_")
+      local = self._download.name
+      _copy_tokenizer_files(workdir_lib.path(self._folder), local)
+    self._tok = _load_hf(local, self._folder)
+    if self._tok.pad_token_id is None or self._tok.eos_token_id is None:
+      raise ValueError(f"The tokenizer in {self._folder} has no pad or eos token; only "
+                       "encoder-decoder checkpoints with both (T5, BART, Marian) are supported.")
+    if vocab_map is not None:
+      vocab_size, pad_id, eos_id = len(vocab_map.to_hf), *map(int, vocab_map.to_hf[:2])
+    pad_id = self._tok.pad_token_id if pad_id is None else pad_id
+    eos_id = self._tok.eos_token_id if eos_id is None else eos_id
+    if (pad_id, eos_id) != (self._tok.pad_token_id, self._tok.eos_token_id):
+      raise ValueError(
+          f"The tokenizer in {self._folder} has pad id {self._tok.pad_token_id} and eos id "
+          f"{self._tok.eos_token_id} but the model has pad {pad_id} and eos {eos_id}: they are "
+          f"not this checkpoint's; copy {_FILES_HINT} into {self._folder}.")
+    self._size = len(self._tok)
+    vocab_size = self._size if vocab_size is None else vocab_size
+    if self._size > vocab_size:
+      raise ValueError(
+          f"The tokenizer in {self._folder} has {self._size} pieces but the model only "
+          f"{vocab_size} embedding rows: they are not this checkpoint's; copy {_FILES_HINT} "
+          f"into {self._folder}.")
+    if vocab_map is None:
+      vocab_map = VocabMap.create(vocab_size, pad_id, eos_id)
+    self.vocab_map = vocab_map
+    # Lists, not arrays: indexing a list per token beats NumPy on sentence-length inputs.
+    self._to_internal = self.vocab_map.to_internal.tolist()
+    self._to_hf = self.vocab_map.to_hf.tolist()
+    # Marian's tokenizer carries a source and a target SentencePiece model.
+    self._is_marian = isinstance(self._tok, transformers.MarianTokenizer)
+
+  @property
+  def hf_tokenizer(self) -> transformers.PreTrainedTokenizerBase:
+    """The underlying Hugging Face tokenizer (checkpoint ids)."""
+    return self._tok
+
+  @property
+  def vocab_size(self) -> int:
+    """The tokenizer's pieces; the model may have more embedding rows (T5: 32100 of 32128)."""
+    return self._size
+
+  @property
+  def pad_id(self) -> int:
+    """The checkpoint's pad id (internal 0)."""
+    return self._tok.pad_token_id
+
+  @property
+  def eos_id(self) -> int:
+    """The checkpoint's eos id (internal 1)."""
+    return self._tok.eos_token_id
+
+  @property
+  def bos_id(self) -> int | None:
+    """The checkpoint's bos id (BART's `<s>`), None where there is none (T5, Marian)."""
+    return self._tok.bos_token_id
+
+  @functools.cached_property
+  def ends_with_eos(self) -> bool:
+    """Whether the checkpoint's sequences end with EOS, so that `with_eos(encode(text))` is
+    its own encoding. Not so for mBART-cc25 (`text </s> en_XX`): `encode` keeps that tail."""
+    return all(bool(ids) and ids[-1] == self._tok.eos_token_id
+               for ids in (self._tok("a")["input_ids"], self._tok(text_target="a")["input_ids"]))
+
+  def to_internal(self, hf_ids: int | Sequence[int] | np.ndarray) -> int | list[int]:
+    """Checkpoint ids (e.g. a generation config's decoder_start_token_id) -> internal ids."""
+    if isinstance(hf_ids, (int, np.integer)):
+      return self._to_internal[int(hf_ids)]
+    return [self._to_internal[int(i)] for i in hf_ids]
+
+  def to_hf(self, internal_ids: int | Sequence[int] | np.ndarray) -> int | list[int]:
+    """Internal ids -> checkpoint ids."""
+    if isinstance(internal_ids, (int, np.integer)):
+      return self._to_hf[int(internal_ids)]
+    return [self._to_hf[int(i)] for i in internal_ids]
+
+  def encode(self, text: str) -> list[int]:
+    """The checkpoint's ids of `text` without the trailing EOS, as internal ids."""
+    return self._internal(self._tok(text)["input_ids"])
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    """`encode` of every text, in one call of the tokenizer (Rust threads where it has them)."""
+    if not texts:
+      return []
+    encoded = self._tok(list(texts), return_attention_mask=False)["input_ids"]
+    return [self._internal(ids) for ids in encoded]
+
+  def encode_target(self, text: str) -> list[int]:
+    """`encode` for the decoder side: Marian splits targets with its target SentencePiece
+    model (Hugging Face's `text_target`); other tokenizers as `encode`."""
+    return self._internal(self._tok(text_target=text)["input_ids"])
+
+  def encode_target_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    if not texts:
+      return []
+    encoded = self._tok(text_target=list(texts), return_attention_mask=False)["input_ids"]
+    return [self._internal(ids) for ids in encoded]
+
+  def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+    """Internal ids -> text, up to the first EOS; special tokens and ids past the tokenizer
+    (padding rows of the embedding) are dropped."""
+    ids = [int(i) for i in ids]
+    if 1 in ids:
+      ids = ids[:ids.index(1)]
+    hf_ids = [h for h in self.to_hf([i for i in ids if 0 <= i < len(self._to_hf)])
+              if h < self._size]
+    # Model outputs are target text: Marian must detokenize with its target model, which
+    # transformers 5 only does when asked (it defaults to the source model for a shared vocab).
+    extra = {"use_source_tokenizer": False} if self._is_marian else {}
+    return self._tok.decode(hf_ids, skip_special_tokens=True, **extra)
+
+  def id_to_piece(self, token_id: int) -> str:
+    """The piece an internal id stands for, e.g. '▁Haus', 'Ġhouse' or '</s>'."""
+    return self._tok.convert_ids_to_tokens(self._to_hf[int(token_id)])
+
+  @functools.cached_property
+  def model_proto(self) -> bytes:
+    """A digest of the saved tokenizer files: changes whenever the tokenizer files do. (Named
+    like `Tokenizer.model_proto` because the token cache keys on it.)"""
+    digest = hashlib.sha256()
+    with tempfile.TemporaryDirectory() as folder:
+      for name, data in _saved_files(self._tok, folder):
+        digest.update(f"{name}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.digest()
+
+  def save(self, folder: str | os.PathLike) -> None:
+    """Writes the tokenizer files to a local folder or URL (e.g. a training workdir's
+    subfolder), each file whole or not at all."""
+    target = workdir_lib.path(folder)
+    target.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as scratch:
+      for name, data in _saved_files(self._tok, scratch):
+        workdir_lib.write_atomic(target / name, data)
+
+  @classmethod
+  def load(cls, folder: str | os.PathLike, vocab_map: VocabMap | None = None,
+           **kwargs) -> "PretrainedTokenizer":
+    """The tokenizer saved in `folder` (local or URL); arguments as the constructor's."""
+    return cls(folder, vocab_map, **kwargs)
+
+  def _internal(self, hf_ids: list[int]) -> list[int]:
+    if hf_ids and hf_ids[-1] == self._tok.eos_token_id:
+      hf_ids = hf_ids[:-1]
+    return [self._to_internal[i] for i in hf_ids]
+
+
+def _load_hf(local: str, shown: str) -> transformers.PreTrainedTokenizerBase:
+  """AutoTokenizer on a local folder, with every failure one ValueError saying what to do."""
+  if not os.path.isdir(local):
+    raise ValueError(f"{shown} is not a folder: give the folder of {_FILES_HINT}.")
+  try:
+    with warnings.catch_warnings():
+      # Marian asks for sacremoses, which its tokenizer never calls when encoding.
+      warnings.filterwarnings("ignore", message="Recommended: pip install sacremoses")
+      # local_files_only: a folder without tokenizer files must fail here, not turn into a
+      # download of a Hub repository of the same name.
+      tok = transformers.AutoTokenizer.from_pretrained(local, local_files_only=True)
+  except Exception as error:  # pylint: disable=broad-except
+    if (importlib.util.find_spec("google.protobuf") is None
+        and any(name.endswith((".model", ".spm")) for name in os.listdir(local))):
+      # transformers then reports a missing tiktoken, which is not the cause.
+      raise ValueError(f"The tokenizer files in {shown} do not load: converting a "
+                       "SentencePiece model needs protobuf (pip install protobuf).") from error
+    reason = (str(error).strip().splitlines() or [""])[0][:300]
+    raise ValueError(f"The tokenizer files in {shown} do not load ({type(error).__name__}: "
+                     f"{reason}): copy {_FILES_HINT} into it.") from error
+  # With a config.json alone, transformers 5 builds a tokenizer of a few placeholder pieces.
+  names = set(type(tok).vocab_files_names.values()) - {"tokenizer_config.json"}
+  if not any(os.path.isfile(os.path.join(local, name)) for name in names):
+    raise ValueError(f"{shown} has none of the files of a {type(tok).__name__} "
+                     f"({', '.join(sorted(names))}): copy {_FILES_HINT} into it.")
+  return tok
+
+
+def _saved_files(tok, scratch: str) -> list[tuple[str, bytes]]:
+  """(name, content) of the files `save_pretrained` writes, sorted by name."""
+  tok.save_pretrained(scratch)
+  paths = sorted(pathlib.Path(scratch).iterdir())
+  return [(path.name, path.read_bytes()) for path in paths if path.is_file()]
+
+
+def _copy_tokenizer_files(source, local: str) -> None:
+  """Copies a bucket folder's files, weights left out, into a local folder."""
+  if not source.is_dir():
+    raise ValueError(f"{source} is not a folder: give the folder of {_FILES_HINT}.")
+  for item in source.iterdir():
+    if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES):
+      with open(os.path.join(local, item.name), "wb") as f:
+        f.write(item.read_bytes())
