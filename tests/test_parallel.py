@@ -93,15 +93,16 @@ sys.path.insert(0, {root!r})
 from tests.conftest import make_tiny_config
 from transformer_jax import train
 from transformer_jax.data import pipeline
+from transformer_jax.data import preparation
 config = make_tiny_config({cache!r})
 config.update_from_flattened_dict({overrides!r})
 os.makedirs({workdir!r}, exist_ok=True)
-streamed, stream = [], train.examples_lib.stream
+streamed, stream = [], preparation.examples_lib.stream
 def recording(config, split, *shard):
   streamed.append([split, *shard])
   return stream(config, split, *shard)
-train.examples_lib.stream = recording
-_, _, encoded = train.prepare_data(config, {workdir!r}, ("train",))
+preparation.examples_lib.stream = recording
+_, _, encoded = preparation.prepare_data(config, {workdir!r}, ("train",))
 batches = pipeline.TrainBatches(encoded["train"], 16, config.seed, pack=True,
                                 process_index=jax.process_index(),
                                 process_count=jax.process_count())

@@ -22,6 +22,7 @@ from transformer_jax import tasks
 from transformer_jax import train
 from transformer_jax import workdir as workdir_lib
 from transformer_jax.data import pipeline
+from transformer_jax.data import preparation
 
 SHARED = os.path.join(ROOT, "..", "shared", "data")
 TINY = dict(vocab_size=64, emb_dim=16, num_heads=2, num_layers=1, qkv_dim=16, mlp_dim=32,
@@ -202,16 +203,16 @@ def test_tokenizer_is_trained_once_or_taken_from_a_given_model(tmp_path):
 
   write_corpus(("the cat", "die Katze"))
   os.makedirs(tmp_path / "a")
-  trained = train.load_tokenizer(config, str(tmp_path / "a"))
+  trained = preparation.load_tokenizer(config, str(tmp_path / "a"))
   assert trained.encode("the cat") != trained.encode("xyz qqq")
   # Reused as saved, whatever the data is now (a resumed run, predict).
   write_corpus(("x", "y"))
-  again = train.load_tokenizer(config, str(tmp_path / "a"))
+  again = preparation.load_tokenizer(config, str(tmp_path / "a"))
   assert again.model_proto == trained.model_proto
   # A given .model is copied into a new workdir instead of training one.
   os.makedirs(tmp_path / "b")
   config.tokenizer.path = str(tmp_path / "a" / workdir_lib.TOKENIZER_FILE)
-  given = train.load_tokenizer(config, str(tmp_path / "b"))
+  given = preparation.load_tokenizer(config, str(tmp_path / "b"))
   assert given.model_proto == trained.model_proto
   assert tokenizer_lib.Tokenizer.load(str(tmp_path / "b" / workdir_lib.TOKENIZER_FILE)
                                       ).model_proto == trained.model_proto
@@ -240,7 +241,7 @@ def test_multitask_mixture_trains_and_scores_each_part(tmp_path):
   config.decoding.update(method="greedy", max_decode_len=6)
   config.model.update(TINY, vocab_size=60)
   os.makedirs(tmp_path / "run")
-  examples, _, encoded = train.prepare_data(config, str(tmp_path / "run"), ("train", "test"))
+  examples, _, encoded = preparation.prepare_data(config, str(tmp_path / "run"), ("train", "test"))
   assert len(encoded["train"]) == 30 + 20 and len(examples["test"]) == 5 + 6
   assert {e["target"] for e in examples["test"] if e["task"] == "sentiment"} <= {"bad", "good"}
   assert examples["test"][0]["source"].startswith(("sentiment: ", "translate: "))

@@ -18,15 +18,18 @@ from transformer_jax import evaluation
 from transformer_jax import metrics
 from transformer_jax import predict
 from transformer_jax import summary_writer
-from transformer_jax import train
 from transformer_jax import workdir as workdir_lib
+from transformer_jax.data import preparation
 
 
 def decoding_tag(decoding_config: ml_collections.ConfigDict, average_last: int = 1) -> str:
-  """A folder name for outputs of one decoding setting, e.g. beam4_alpha0.6 or greedy."""
+  """A folder name for outputs of one decoding setting, e.g. beam4_alpha0.6, beam4_alpha1.0_hf
+  (Hugging Face's length penalty) or greedy."""
   d = decoding_config
   tag = {"beam": f"beam{d.beam_size}_alpha{d.alpha}", "greedy": "greedy",
          "sample": f"sample_t{d.temperature}_k{d.top_k}_p{d.top_p}_seed{d.seed}"}[d.method]
+  if d.method == "beam" and d.length_penalty != "gnmt":
+    tag += f"_{d.length_penalty}"  # the same alpha ranks differently
   if d.max_decode_len:
     tag += f"_len{d.max_decode_len}"
   return tag + (f"_avg{average_last}" if average_last > 1 else "")
@@ -48,7 +51,7 @@ def run_evaluate(workdir: str, step: int | str | None = None, split: str = "test
     raise ValueError(f"--split {split}: not a split of this workdir's config.splits "
                      f"({', '.join(config.splits)}).")
   predictor = predict.Predictor.from_workdir(workdir, step, average_last, config)
-  examples, _, encoded = train.prepare_data(config, workdir, (split,), training=False)
+  examples, _, encoded = preparation.prepare_data(config, workdir, (split,), training=False)
   evaluator = evaluation.Evaluator(config, predictor.family, predictor.tokenizer,
                                    predictor.layout)
   result, rows = evaluator.evaluate_with_outputs(predictor.device_params, encoded[split],

@@ -15,6 +15,7 @@ from typing import Any
 import ml_collections
 
 from transformer_jax import families
+from transformer_jax import layers
 from transformer_jax import parallel
 
 CHOICES = {
@@ -28,7 +29,9 @@ CHOICES = {
     "decoding.method": ("greedy", "beam", "sample"),
     "decoding.length_penalty": ("gnmt", "hf"),
     "model.dtype": ("float32", "bfloat16", "float16"),
-    "model.position_embedding": ("sinusoidal", "learned"),
+    "model.position_embedding": layers.POSITION_EMBEDDINGS,
+    "model.norm": ("layernorm", "rmsnorm"),
+    "model.ffn_activation": tuple(sorted(layers.ACTIVATIONS)),
     "model.attention_implementation": ("reference", "xla", "cudnn", "auto"),
     "prng_impl": ("threefry2x32", "rbg", "unsafe_rbg"),
     "model.remat_policy": ("full", "dots", "dots_no_batch"),
@@ -79,6 +82,8 @@ RANGES = {
     "model.dropout_rate": (0, 1, True, False),
     "model.attention_dropout_rate": (0, 1, True, False),
     "model.num_classes": (2, None, True, True),
+    "model.relative_attention_num_buckets": (4, None, True, True),
+    "model.relative_attention_max_distance": (1, None, True, True),
 }
 
 
@@ -147,6 +152,9 @@ def _cross_key_problems(config: ml_collections.ConfigDict,
     found.append(f"config.model.attention_implementation='cudnn' needs a head dimension "
                  f"(qkv_dim / num_heads = {head_dim}) that is a multiple of 8 and at most 256 "
                  "(cuDNN's flash attention kernels); use 'xla'")
+  if m.position_embedding == "relative" and families.name(config) == "decoder_only":
+    found.append("config.model.position_embedding='relative' is for encoders and "
+                 "encoder-decoders; a decoder_only model takes 'sinusoidal' or 'learned'")
   if config.eval_split not in config.splits:
     found.append(f"config.eval_split={config.eval_split!r} is not a key of config.splits "
                  f"({', '.join(config.splits)})")

@@ -151,7 +151,9 @@ class Family(abc.ABC):
     examples = iter(examples)
     while chunk := list(itertools.islice(examples, ENCODE_CHUNK)):
       sources = tokenizer.encode_batch([e["source"] for e in chunk])
-      targets = (tokenizer.encode_batch([e["target"] for e in chunk]) if self.generates_text
+      # Targets through the target-side tokenizer (Marian has one of its own).
+      targets = (tokenizer.encode_target_batch([e["target"] for e in chunk])
+                 if self.generates_text
                  else [[]] * len(chunk))
       chunk_features: dict[str, list[np.ndarray]] = {name: [] for name in features}
       for example, source, target in zip(chunk, sources, targets):

@@ -114,14 +114,18 @@ def _user_error_code(error: Exception) -> int | None:
   from transformer_jax import checkpoints
   from transformer_jax import config_validation
   from transformer_jax import run_lock
-  from transformer_jax import train
   from transformer_jax import workdir as workdir_lib
   if isinstance(error, config_validation.ConfigError):
     return 2
   if isinstance(error, run_lock.WorkdirBusyError):
     return 75  # EX_TEMPFAIL: a restart loop should not retry at once
-  if isinstance(error, (checkpoints.CheckpointError, workdir_lib.WorkdirError,
-                        train.NonFiniteLossError, ValueError, OSError)):
+  if isinstance(error, (checkpoints.CheckpointError, workdir_lib.WorkdirError, ValueError,
+                        OSError)):
+    return 1
+  # Only a run that imported train.py can raise its error: looked up, not imported, so that
+  # evaluate and predict never load the training code.
+  train = sys.modules.get("transformer_jax.train")
+  if train is not None and isinstance(error, train.NonFiniteLossError):
     return 1
   return None
 

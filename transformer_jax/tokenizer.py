@@ -39,6 +39,10 @@ class Tokenizer:
     """`encode` of every text, on all cores (SentencePiece's own threads)."""
     return self._sp.encode(list(texts), num_threads=os.cpu_count() or 1)
 
+  def encode_target_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    """Target texts: one vocabulary serves both sides (imported Marian models have two)."""
+    return self.encode_batch(texts)
+
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
     """Decodes up to the first EOS; padding and reserved ids are dropped."""
     ids = [int(i) for i in ids]

@@ -7,9 +7,7 @@ import functools
 import math
 import os
 import time
-from typing import Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -31,13 +29,10 @@ from transformer_jax import preemption
 from transformer_jax import run_lock
 from transformer_jax import saved_config
 from transformer_jax import summary_writer
-from transformer_jax import tasks
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax import workdir as workdir_lib
-from transformer_jax.data import examples as examples_lib
 from transformer_jax.data import pipeline
-from transformer_jax.data import sources
-from transformer_jax.data import token_cache
+from transformer_jax.data import preparation
 
 
 class NonFiniteLossError(RuntimeError):
@@ -65,99 +60,6 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
   if config.grad_clip_norm > 0:
     return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), adam)
   return adam
-
-
-def load_tokenizer(config: ml_collections.ConfigDict, workdir: str) -> tokenizer_lib.Tokenizer:
-  """The workdir's tokenizer; on first use copied from `config.tokenizer.path`, or trained on
-  a seeded sample of the training split's texts (by process 0; the others wait and load it,
-  so every process of a multi-host run uses the same one)."""
-  path = workdir_lib.tokenizer_path(workdir)
-  if jax.process_index() == 0 and not path.exists():
-    _new_tokenizer(config).save(path)
-  if jax.process_count() > 1:  # every process passes here, whether or not it was made now
-    multihost_utils.sync_global_devices("tokenizer saved")
-  return tokenizer_lib.Tokenizer.load(path)
-
-
-def _new_tokenizer(config: ml_collections.ConfigDict) -> tokenizer_lib.Tokenizer:
-  t = config.tokenizer
-  if t.path:
-    return tokenizer_lib.Tokenizer.load(t.path)
-  # The split is streamed: only the sample is held, whatever the corpus size.
-  train_examples, _ = examples_lib.stream(config, "train")
-  texts = tokenizer_lib.sample(tasks.training_texts(train_examples), t.num_sentences,
-                               config.seed)
-  logging.info("Training a %d-piece SentencePiece %s tokenizer on %d training texts.",
-               config.model.vocab_size, t.model_type, len(texts))
-  return tokenizer_lib.train_tokenizer(
-      texts, config.model.vocab_size, model_type=t.model_type,
-      character_coverage=t.character_coverage, byte_fallback=t.byte_fallback)
-
-
-def data_shards(config: ml_collections.ConfigDict) -> tuple[int, range]:
-  """How many shards the training split is read as, and which of them this process reads."""
-  count = config.data_shards or jax.process_count()
-  return count, pipeline.shards_of_process(jax.process_index(), jax.process_count(), count)
-
-
-def prepare_data(config: ml_collections.ConfigDict, workdir: str, splits=sources.SPLITS, *,
-                 training: bool = True):
-  """Examples of the evaluation `splits`, the workdir's tokenizer (made on first use), and
-  token features: the training split as `pipeline.Shards` (this process's, see
-  `data_shards`), the others as `pipeline.Encoded`.
-
-  The training texts are streamed, never held whole (`examples` has no "train"), and each
-  shard's features come from the workdir's token cache (data/token_cache.py) when it holds
-  them for this tokenizer, config and data; otherwise the shard is encoded and cached. With
-  `training` False the training split is read like the others, to be scored.
-  """
-  family = families.get(config)
-  tokenizer = load_tokenizer(config, workdir)
-  eval_splits = [split for split in splits if split != "train" or not training]
-  examples = examples_lib.load_examples(config, eval_splits) if eval_splits else {}
-  encoded = {}
-  if "train" in splits and training:
-    encoded["train"] = _training_shards(config, workdir, family, tokenizer)
-  for split in eval_splits:  # every reference is scored: overlong examples are truncated
-    encoded[split], overlong = family.encode_examples(examples[split], tokenizer)
-    _warn_overlong(config, split, overlong, len(examples[split]), "truncated")
-  return examples, tokenizer, encoded
-
-
-def _training_shards(config: ml_collections.ConfigDict, workdir: str, family: families.Family,
-                     tokenizer: tokenizer_lib.Tokenizer) -> pipeline.Shards:
-  count, shards = data_shards(config)
-  cache_key = token_cache.key(config, family.name, family.feature_lengths(),
-                              tokenizer.model_proto, "train")
-  held = {}
-  for shard in shards:
-    entry = token_cache.entry(workdir, "train", cache_key, shard, count)
-    held[shard] = token_cache.load(entry)
-    if held[shard] is not None:
-      logging.info("Training data: %s examples from the token cache %s.",
-                   f"{len(held[shard]):,}", entry)
-      continue
-    stream, total = examples_lib.stream(config, "train", shard, count)
-    drop = config.overlong == "drop"
-    held[shard], overlong = family.encode_examples(stream, tokenizer, drop_overlong=drop,
-                                                   total=total)
-    _warn_overlong(config, "train" if count == 1 else f"train shard {shard} of {count}",
-                   overlong, len(held[shard]) + overlong * drop,
-                   "dropped" if drop else "truncated")
-    if jax.process_index() == pipeline.saving_process(shard, jax.process_count(), count):
-      token_cache.save(entry, held[shard])
-      if not workdir_lib.is_url(workdir):  # from here on memory-mapped: pages the OS can drop
-        mapped = token_cache.load(entry)
-        held[shard] = held[shard] if mapped is None else mapped
-  return pipeline.Shards(count, held)
-
-
-def _warn_overlong(config: ml_collections.ConfigDict, split: str, overlong: int, total: int,
-                   what: str) -> None:
-  if overlong:
-    logging.warning("%s: %d of %d examples longer than max_source_length=%d / "
-                    "max_target_length=%d tokens were %s.", split, overlong, total,
-                    config.max_source_length, config.max_target_length, what)
 
 
 def _whole_data_state(state: dict) -> dict:
@@ -276,48 +178,6 @@ def _locked(workdir: str):
       lock.release()
 
 
-def _check_finite(host_sums: dict, step: int, manager) -> None:
-  if host_sums["nonfinite_steps"] == 0 and np.isfinite(host_sums["loss"]):
-    return
-  last_good = manager.latest_step()
-  raise NonFiniteLossError(
-      f"The training loss or gradient became non-finite by step {step}; stopped without "
-      f"saving. Last good checkpoint: {'none' if last_good is None else f'step {last_good}'} "
-      f"in {manager.directory}. Lower config.learning_rate, raise config.warmup_steps or set "
-      "config.grad_clip_norm, then re-run the same command to resume from it.")
-
-
-def _step_flops_and_peak(config: ml_collections.ConfigDict, family: families.Family,
-                         global_batch_size: int) -> tuple[float | None, float, str]:
-  """(model FLOPs of one training step or None when flops.py has no formula for this
-  family, peak TFLOP/s of one device, where that peak comes from) for the logged MFU."""
-  step_flops = family.train_step_flops(global_batch_size)
-  if step_flops is None:
-    return None, 0.0, "no FLOP count for this model family"
-  if jax.devices()[0].platform == "cpu":  # no data sheet; a small matmul keeps this quick
-    return step_flops, flops.measured_matmul_tflops(size=512, repeats=3), \
-        "measured float32 matmul (CPU)"
-  peak, source = flops.peak_tflops(family.model_config.dtype)
-  return step_flops, peak, source
-
-
-def _improved(value: float, best: dict | None, mode: str) -> bool:
-  if not math.isfinite(value):
-    return False
-  if best is None:
-    return True
-  return value > best["value"] if mode == "max" else value < best["value"]
-
-
-def _model_changes(workdir: str, config: ml_collections.ConfigDict) -> str:
-  """The model / data keys in which `config` differs from the workdir's saved config."""
-  try:
-    changes = saved_config.fixed_key_changes(workdir_lib.load_config(workdir), config)
-  except workdir_lib.WorkdirError:
-    return ""
-  return f"Changed since this workdir was trained: {'; '.join(changes)}." if changes else ""
-
-
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains `config` in `workdir` (a local folder or a gs:// URL), resuming from its newest
   good checkpoint; returns the final evaluation (with "preempted": True when a SIGTERM or
@@ -344,7 +204,103 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
                        config.grad_accum_steps)
 
   # ---- Data -----------------------------------------------------------------------------
-  examples, tokenizer, encoded = prepare_data(config, workdir, ("train", config.eval_split))
+  tokenizer, train_batches, eval_data, eval_examples = _data(config, workdir, family,
+                                                             global_batch_size)
+
+  # ---- Model and optimizer --------------------------------------------------------------
+  init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(config.seed))
+  state = _initial_state(config, family, layout, tokenizer, init_rng)
+
+  # ---- Restore --------------------------------------------------------------------------
+  manager = checkpoints.manager(workdir, config.keep_checkpoints)
+  state = _restore(config, workdir, manager, state, train_batches)
+  if is_chief:  # after a successful restore: a mismatch keeps the old config
+    workdir_lib.save_config(workdir, config)
+  start_step = int(state.step)
+  best = _BestCheckpoint(config, workdir, layout) if config.checkpoint_best_metric else None
+
+  # ---- TensorBoard: the config, and the peak the MFU is measured against ------------------
+  step_flops, peak_tflops = _describe_run(config, family, global_batch_size, train_writer)
+
+  # ---- Compiled steps -------------------------------------------------------------------
+  p_train_step = compile_train_step(config, family, layout)
+  run_eval = _Evaluation(config, family, tokenizer, layout, eval_data, eval_examples,
+                         eval_writer)
+  state = layout.place_state(state)
+
+  # ---- Training loop --------------------------------------------------------------------
+  result = {}
+  stopped_early = False
+  evals_without_best = 0  # counted within this run: a resumed run starts again from 0
+  profile = _Profile(config, workdir, is_chief)
+  data_state = train_batches.state  # the pipeline's position after the last batch trained on
+  # Closed on every exit, an error included: that stops the prefetch thread.
+  with contextlib.closing(pipeline.prefetch(train_batches, layout.train_batch,
+                                           config.prefetch_batches)) as batches, \
+      preemption.PreemptionWatcher() as watcher:
+    meter = _TrainMeter(config, layout, train_writer, manager, step_flops, peak_tflops,
+                        start_step)
+    for step in range(start_step, config.num_train_steps):
+      profile.start_at(step)
+      batch, data_state = next(batches)
+      state, step_sums = p_train_step(state, batch, dropout_rng)
+      meter.add(step_sums)
+      done = step + 1
+      profile.stop_after(done, step_sums)
+      checkpoints.check_background_saves(manager)
+      if step == start_step:
+        meter.first_step_done(step_sums, done)
+      if done % config.log_every_steps == 0 or done == config.num_train_steps:
+        meter.log(done)
+      pause_start = time.time()
+      if watcher.should_stop(done):
+        profile.stop()  # stopped inside the traced steps: keep what was traced
+        _save(manager, layout, done, state, data_state, meter.sums)
+        _wait_for_saves(manager, best)
+        logging.info("Stopped at step %d after saving its checkpoint.", done)
+        return dict(result, preempted=True, step=done, checkpoint_dir=str(manager.directory))
+      if done % config.eval_every_steps == 0 or done == config.num_train_steps:
+        result = run_eval(done, state)
+        if best:
+          evals_without_best = (0 if best.keep_if_best(done, result, state)
+                                else evals_without_best + 1)
+        stopped_early = 0 < config.early_stopping_evals <= evals_without_best
+      if (done % config.checkpoint_every_steps == 0 or done == config.num_train_steps
+          or stopped_early):
+        _save(manager, layout, done, state, data_state, meter.sums)
+      if stopped_early:
+        logging.info("Early stopping at step %d: %d evaluations without a better %s.", done,
+                     evals_without_best, best.metric)
+        break
+      meter.exclude_since(pause_start)  # steps/s and tokens/s count training only
+
+  profile.stop()  # stopped early inside the traced steps: keep what was traced
+  if start_step >= config.num_train_steps:
+    logging.info("Already trained to step %d.", start_step)
+    result = run_eval(start_step, state)
+  _wait_for_saves(manager, best)
+  if best:
+    best.manager.close()
+  final_step = manager.latest_step()
+  manager.close()
+  train_writer.close()
+  eval_writer.close()
+
+  # ---- Summary ---------------------------------------------------------------------------
+  logging.info("\n  ".join(_summary(workdir, run_start, final_step, stopped_early, result,
+                                    best, manager)))
+  if best:
+    result = dict(result, best=best.record, stopped_early=stopped_early)
+  return result
+
+
+def _data(config: ml_collections.ConfigDict, workdir: str, family: families.Family,
+          global_batch_size: int) -> tuple[tokenizer_lib.Tokenizer, pipeline.TrainBatches,
+                                           pipeline.Encoded, list[dict]]:
+  """(The workdir's tokenizer, this process's training batches, the eval split's features,
+  its examples)."""
+  examples, tokenizer, encoded = preparation.prepare_data(config, workdir,
+                                                          ("train", config.eval_split))
   if not len(encoded["train"]):
     raise ValueError(f"The training split of config.dataset={config.dataset!r} is empty; check "
                      "config.data_dir and config.splits.")
@@ -357,221 +313,288 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
                "%d; global batch %d on %d devices.", len(encoded["train"]),
                len(encoded["train"].held), encoded["train"].count, len(eval_data),
                config.eval_split, tokenizer.vocab_size, global_batch_size, jax.device_count())
+  return tokenizer, train_batches, eval_data, eval_examples
 
-  # ---- Model and optimizer --------------------------------------------------------------
+
+def _initial_state(config: ml_collections.ConfigDict, family: families.Family, layout,
+                   tokenizer: tokenizer_lib.Tokenizer, rng) -> train_state.TrainState:
+  """A fresh training state placed by `layout`, for a model that has room for `tokenizer`."""
   if tokenizer.vocab_size > family.model_config.vocab_size:
     raise ValueError(f"The tokenizer has {tokenizer.vocab_size} pieces but config.model."
                      f"vocab_size={family.model_config.vocab_size}; raise config.model."
                      "vocab_size.")
-  rng = jax.random.PRNGKey(config.seed)
-  init_rng, dropout_rng = jax.random.split(rng)
   # Under jit the state is created already sharded: no device ever holds all of it.
-  state = layout.create_state(functools.partial(create_state, config, family, init_rng))
+  state = layout.create_state(functools.partial(create_state, config, family, rng))
   num_params = sum(x.size for x in jax.tree.leaves(state.params))
   logging.info("Model: %s %s parameters; %s layout.", f"{num_params:,}", family.name,
                layout.mode)
+  return state
 
-  # ---- Restore --------------------------------------------------------------------------
-  manager = checkpoints.manager(workdir, config.keep_checkpoints)
-  if manager.latest_step() is not None:
-    # Restored into the new state's shardings, whatever layout and devices saved it; a
-    # damaged newest checkpoint falls back to the one before it.
-    try:
-      params, opt_state, step, data_state = checkpoints.restore(
-          manager, state.params, state.opt_state, with_data_state=True)
-    except checkpoints.CheckpointError as e:
-      raise checkpoints.CheckpointError(f"{e} {_model_changes(workdir, config)}") from None
-    damaged = checkpoints.damaged_steps_after(manager, step)  # the same list on every host
-    if damaged and is_chief:
-      checkpoints.set_aside(workdir, manager, damaged)
-    if damaged and jax.process_count() > 1:
-      multihost_utils.sync_global_devices("damaged checkpoints set aside")
-      manager.reload()
-    state = state.replace(step=step, params=params, opt_state=opt_state)
-    train_batches.restore(data_state)
-    logging.info("Resumed from checkpoint at step %d (data position %s).", step, data_state)
-  if is_chief:  # after a successful restore: a mismatch keeps the old config
-    workdir_lib.save_config(workdir, config)
-  start_step = int(state.step)
-  best_metric = config.checkpoint_best_metric
-  best_manager = (checkpoints.manager(workdir, 1, folder=checkpoints.BEST_DIR)
-                  if best_metric else None)
-  best = checkpoints.best_record(best_manager) if best_manager else None  # kept across resumes
-  if best and best["metric"] != best_metric:
-    raise ValueError(f"{best_manager.directory} keeps the best {best['metric']!r}, not "
-                     f"config.checkpoint_best_metric={best_metric!r}; move that folder away or "
-                     "keep the metric.")
 
-  # ---- TensorBoard: the config, and the peak the MFU is measured against ------------------
+def _restore(config: ml_collections.ConfigDict, workdir: str, manager,
+             state: train_state.TrainState,
+             train_batches: pipeline.TrainBatches) -> train_state.TrainState:
+  """`state`, and the position of `train_batches`, from the newest good checkpoint (as they
+  are when there is none)."""
+  if manager.latest_step() is None:
+    return state
+  # Restored into the new state's shardings, whatever layout and devices saved it; a
+  # damaged newest checkpoint falls back to the one before it.
+  try:
+    params, opt_state, step, data_state = checkpoints.restore(
+        manager, state.params, state.opt_state, with_data_state=True)
+  except checkpoints.CheckpointError as e:
+    raise checkpoints.CheckpointError(f"{e} {_model_changes(workdir, config)}") from None
+  damaged = checkpoints.damaged_steps_after(manager, step)  # the same list on every host
+  if damaged and jax.process_index() == 0:
+    checkpoints.set_aside(workdir, manager, damaged)
+  if damaged and jax.process_count() > 1:
+    multihost_utils.sync_global_devices("damaged checkpoints set aside")
+    manager.reload()
+  state = state.replace(step=step, params=params, opt_state=opt_state)
+  train_batches.restore(data_state)
+  logging.info("Resumed from checkpoint at step %d (data position %s).", step, data_state)
+  return state
+
+
+def _model_changes(workdir: str, config: ml_collections.ConfigDict) -> str:
+  """The model / data keys in which `config` differs from the workdir's saved config."""
+  try:
+    changes = saved_config.fixed_key_changes(workdir_lib.load_config(workdir), config)
+  except workdir_lib.WorkdirError:
+    return ""
+  return f"Changed since this workdir was trained: {'; '.join(changes)}." if changes else ""
+
+
+class _BestCheckpoint:
+  """The parameters of the best evaluation by `config.checkpoint_best_metric`, in their own
+  folder; `record` ({metric, value, step}, None before the first) is kept across resumes."""
+
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str, layout):
+    self.metric, self._mode, self._layout = (config.checkpoint_best_metric,
+                                             config.checkpoint_best_mode, layout)
+    self.manager = checkpoints.manager(workdir, 1, folder=checkpoints.BEST_DIR)
+    self.record = checkpoints.best_record(self.manager)
+    if self.record and self.record["metric"] != self.metric:
+      raise ValueError(f"{self.manager.directory} keeps the best {self.record['metric']!r}, "
+                       f"not config.checkpoint_best_metric={self.metric!r}; move that folder "
+                       "away or keep the metric.")
+
+  def keep_if_best(self, step: int, result: dict, state: train_state.TrainState) -> bool:
+    """Saves the parameters if `result` is the best evaluation yet; True if it is."""
+    if self.metric not in result:
+      raise ValueError(f"config.checkpoint_best_metric={self.metric!r} is not a metric of "
+                       f"this evaluation ({', '.join(sorted(result))}).")
+    if not _improved(result[self.metric], self.record, self._mode):
+      return False
+    self.record = dict(metric=self.metric, value=float(result[self.metric]), step=step)
+    checkpoints.save_best(self.manager, step, self._layout.checkpoint_state(state).params,
+                          self.record)
+    logging.info("New best %s %.4f at step %d, kept in %s.", self.metric, self.record["value"],
+                 step, self.manager.directory)
+    return True
+
+
+def _improved(value: float, best: dict | None, mode: str) -> bool:
+  if not math.isfinite(value):
+    return False
+  if best is None:
+    return True
+  return value > best["value"] if mode == "max" else value < best["value"]
+
+
+def _describe_run(config: ml_collections.ConfigDict, family: families.Family,
+                  global_batch_size: int, writer) -> tuple[float | None, float]:
+  """Writes the config and the MFU's peak to TensorBoard; returns (model FLOPs of one training
+  step or None, peak TFLOP/s of one device)."""
   step_flops, peak_tflops, peak_source = _step_flops_and_peak(config, family,
                                                               global_batch_size)
   config_text = "    " + config.to_json_best_effort(indent=2).replace("\n", "\n    ")
-  train_writer.write_texts(0, {"config": config_text, "mfu_peak": (
+  writer.write_texts(0, {"config": config_text, "mfu_peak": (
       f"MFU is model FLOPs (flops.py, padded lengths) / ({peak_tflops:.1f} TFLOP/s x "
       f"{jax.device_count()} devices); peak from {peak_source}.")})
-  train_writer.write_hparams(saved_config.flat(config.to_dict()))
-  train_writer.flush()
+  writer.write_hparams(saved_config.flat(config.to_dict()))
+  writer.flush()
   logging.info("MFU against %.1f TFLOP/s per device (%s).", peak_tflops, peak_source)
+  return step_flops, peak_tflops
 
-  # ---- Compiled steps -------------------------------------------------------------------
-  p_train_step = compile_train_step(config, family, layout)
-  evaluator = evaluation.Evaluator(config, family, tokenizer, layout)
-  state = layout.place_state(state)
 
-  def run_eval(step: int) -> dict:
+def _step_flops_and_peak(config: ml_collections.ConfigDict, family: families.Family,
+                         global_batch_size: int) -> tuple[float | None, float, str]:
+  """(model FLOPs of one training step or None when flops.py has no formula for this
+  family, peak TFLOP/s of one device, where that peak comes from) for the logged MFU."""
+  step_flops = family.train_step_flops(global_batch_size)
+  if step_flops is None:
+    return None, 0.0, "no FLOP count for this model family"
+  if jax.devices()[0].platform == "cpu":  # no data sheet; a small matmul keeps this quick
+    return step_flops, flops.measured_matmul_tflops(size=512, repeats=3), \
+        "measured float32 matmul (CPU)"
+  peak, source = flops.peak_tflops(family.model_config.dtype)
+  return step_flops, peak, source
+
+
+class _Evaluation:
+  """Evaluates the training state on the eval split and writes the result to TensorBoard:
+  the metrics, generated samples and attention heatmaps."""
+
+  def __init__(self, config: ml_collections.ConfigDict, family: families.Family,
+               tokenizer: tokenizer_lib.Tokenizer, layout, eval_data, eval_examples, writer):
+    self._config, self._family, self._tokenizer, self._layout = config, family, tokenizer, layout
+    self._data, self._examples, self._writer = eval_data, eval_examples, writer
+    self._evaluator = evaluation.Evaluator(config, family, tokenizer, layout)
+
+  def __call__(self, step: int, state: train_state.TrainState) -> dict:
     start = time.time()
-    result, samples = evaluator.evaluate(state.params, eval_data, eval_examples,
-                                         config.num_generate_examples)
-    eval_writer.write_scalars(step, dict(result, eval_time_s=time.time() - start,
-                                         decode_time_s=evaluator.decode_seconds))
+    evaluator, writer = self._evaluator, self._writer
+    result, samples = evaluator.evaluate(state.params, self._data, self._examples,
+                                         self._config.num_generate_examples)
+    writer.write_scalars(step, dict(result, eval_time_s=time.time() - start,
+                                    decode_time_s=evaluator.decode_seconds))
     if samples:
-      eval_writer.write_texts(step, {"samples": "\n\n---\n\n".join(samples)})
-    if config.attention_images.layers and evaluator.first_generated is not None:
+      writer.write_texts(step, {"samples": "\n\n---\n\n".join(samples)})
+    if self._config.attention_images.layers and evaluator.first_generated is not None:
       # Every process runs the forward pass (its arrays may span them); process 0 draws.
-      maps = attention_maps.collect(family, layout.checkpoint_state(state.params),
+      maps = attention_maps.collect(self._family, self._layout.checkpoint_state(state.params),
                                     *evaluator.first_generated)
-      if is_chief:
-        eval_writer.write_pngs(step, attention_maps.tensorboard_images(
-            maps, config.attention_images, tokenizer))
-    eval_writer.flush()
+      if jax.process_index() == 0:
+        writer.write_pngs(step, attention_maps.tensorboard_images(
+            maps, self._config.attention_images, self._tokenizer))
+    writer.flush()
     logging.info("step %d eval (%.1f s): %s", step, time.time() - start,
                  ", ".join(f"{k} {v:.4f}" for k, v in sorted(result.items())))
     return result
 
-  def keep_if_best(step: int, result: dict) -> bool:
-    """Saves the parameters if `result` is the best evaluation yet; True if it is."""
-    nonlocal best
-    if best_metric not in result:
-      raise ValueError(f"config.checkpoint_best_metric={best_metric!r} is not a metric of "
-                       f"this evaluation ({', '.join(sorted(result))}).")
-    if not _improved(result[best_metric], best, config.checkpoint_best_mode):
-      return False
-    best = dict(metric=best_metric, value=float(result[best_metric]), step=step)
-    checkpoints.save_best(best_manager, step, layout.checkpoint_state(state).params, best)
-    logging.info("New best %s %.4f at step %d, kept in %s.", best_metric, best["value"], step,
-                 best_manager.directory)
-    return True
 
-  def save(step: int):
-    if sums is not None:  # else checked at this step's log line
-      _check_finite(layout.host_sums(sums), step, manager)
-    start = time.time()
-    saved = layout.checkpoint_state(state)
-    checkpoints.save(manager, step, saved.params, saved.opt_state, _whole_data_state(data_state))
-    logging.info("Saved checkpoint %d (%.1f s; written in the background) in %s.", step,
-                 time.time() - start, manager.directory)
+class _Profile:
+  """A profiler trace of the steps `config.profile_steps` = (first, count) names, taken by
+  process 0 into WORKDIR/profile."""
 
-  # ---- Training loop --------------------------------------------------------------------
-  result = {}
-  stopped_early = False
-  evals_without_best = 0  # counted within this run: a resumed run starts again from 0
-  profile, profiling = tuple(config.profile_steps), False
-  profile_dir = os.path.join(workdir, "profile")
-  data_state = train_batches.state  # the pipeline's position after the last batch trained on
-  # Closed on every exit, an error included: that stops the prefetch thread.
-  with contextlib.closing(pipeline.prefetch(train_batches, layout.train_batch,
-                                           config.prefetch_batches)) as batches, \
-      preemption.PreemptionWatcher() as watcher:
-    # Rates are measured from the end of the first step, so the compilation stays out of the
-    # steps/s, tokens/s, MFU and ETA.
-    sums, last_log_time, last_log_step, sums_steps = None, time.time(), start_step, 0
-    for step in range(start_step, config.num_train_steps):
-      if profile and step == profile[0] and is_chief:
-        jax.profiler.start_trace(profile_dir)
-        profiling = True
-      batch, data_state = next(batches)
-      state, step_sums = p_train_step(state, batch, dropout_rng)
-      # Accumulated on device: the host only waits at log and save time.
-      sums = step_sums if sums is None else jax.tree.map(jnp.add, sums, step_sums)
-      sums_steps += 1
-      done = step + 1
-      if profiling and (done == profile[0] + profile[1] or done == config.num_train_steps):
-        jax.block_until_ready(step_sums)
-        jax.profiler.stop_trace()
-        profiling = False
-        logging.info("Wrote a profile of steps %d-%d to %s.", profile[0], step, profile_dir)
-      checkpoints.check_background_saves(manager)
-      if step == start_step:
-        jax.block_until_ready(step_sums)
-        logging.info("First step (compilation included) took %.1f s.",
-                     time.time() - last_log_time)
-        last_log_time, last_log_step = time.time(), done
-      if done % config.log_every_steps == 0 or done == config.num_train_steps:
-        host_sums = layout.host_sums(sums)
-        _check_finite(host_sums, done, manager)
-        norms = {k: float(host_sums[k]) / sums_steps for k in ("grad_norm", "param_norm")}
-        train_metrics = metrics.normalize({k: v for k, v in host_sums.items()
-                                           if k not in ("nonfinite_steps", *norms)})
-        lr = float(rsqrt_schedule(config.learning_rate, config.warmup_steps)(done - 1))
-        scalars = dict(loss=train_metrics["loss"], accuracy=train_metrics["accuracy"],
-                       perplexity=metrics.perplexity(train_metrics["loss"]),
-                       learning_rate=lr, **norms)
-        progress = f"step {done}/{config.num_train_steps}: loss {train_metrics['loss']:.4f}, " \
-                   f"lr {lr:.2e}, grad_norm {norms['grad_norm']:.3f}"
-        if done > last_log_step:  # else only the first step ran since: no rate yet
-          steps_per_sec = (done - last_log_step) / (time.time() - last_log_time)
-          tokens_per_sec = host_sums["denominator"] / sums_steps * steps_per_sec
-          scalars.update(steps_per_sec=steps_per_sec, step_time_s=1 / steps_per_sec,
-                         tokens_per_sec=tokens_per_sec)
-          progress += f", {steps_per_sec:.2f} steps/s, {tokens_per_sec:.0f} tokens/s"
-          if step_flops:
-            scalars["mfu"] = step_flops * steps_per_sec / (
-                peak_tflops * 1e12 * jax.device_count())
-            progress += f", MFU {scalars['mfu']:.1%}"
-          eta = (config.num_train_steps - done) / steps_per_sec / 60
-          progress += f", ETA {eta:.1f} min"
-        train_writer.write_scalars(done, scalars)
-        train_writer.flush()
-        logging.info("%s", progress)
-        sums, last_log_time, last_log_step, sums_steps = None, time.time(), done, 0
-      pause_start = time.time()
-      if watcher.should_stop(done):
-        if profiling:  # stopped inside the traced steps: keep what was traced
-          jax.profiler.stop_trace()
-        save(done)
-        checkpoints.wait_for_saves(manager)
-        if best_manager:
-          checkpoints.wait_for_saves(best_manager)
-        logging.info("Stopped at step %d after saving its checkpoint.", done)
-        return dict(result, preempted=True, step=done, checkpoint_dir=str(manager.directory))
-      if done % config.eval_every_steps == 0 or done == config.num_train_steps:
-        result = run_eval(done)
-        if best_metric:
-          evals_without_best = 0 if keep_if_best(done, result) else evals_without_best + 1
-        stopped_early = 0 < config.early_stopping_evals <= evals_without_best
-      if (done % config.checkpoint_every_steps == 0 or done == config.num_train_steps
-          or stopped_early):
-        save(done)
-      if stopped_early:
-        logging.info("Early stopping at step %d: %d evaluations without a better %s.", done,
-                     evals_without_best, best_metric)
-        break
-      last_log_time += time.time() - pause_start  # steps/s and tokens/s count training only
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str, is_chief: bool):
+    self._steps, self._last_step = tuple(config.profile_steps), config.num_train_steps
+    self._dir, self._is_chief = os.path.join(workdir, "profile"), is_chief
+    self._tracing = False
 
-  if profiling:  # stopped early inside the traced steps: keep what was traced
-    jax.profiler.stop_trace()
-  if start_step >= config.num_train_steps:
-    logging.info("Already trained to step %d.", start_step)
-    result = run_eval(start_step)
+  def start_at(self, step: int) -> None:
+    if self._steps and step == self._steps[0] and self._is_chief:
+      jax.profiler.start_trace(self._dir)
+      self._tracing = True
+
+  def stop_after(self, done: int, step_sums) -> None:
+    """Ends the trace once step `done` - 1, the last one it covers, has run."""
+    if self._tracing and (done == self._steps[0] + self._steps[1] or done == self._last_step):
+      jax.block_until_ready(step_sums)
+      self.stop()
+      logging.info("Wrote a profile of steps %d-%d to %s.", self._steps[0], done - 1,
+                   self._dir)
+
+  def stop(self) -> None:
+    if self._tracing:
+      jax.profiler.stop_trace()
+      self._tracing = False
+
+
+class _TrainMeter:
+  """The training metrics since the last log line, and the rates they were trained at.
+
+  The step sums are accumulated on device: the host only waits at log and save time. Rates
+  are measured from the end of the first step, so the compilation stays out of the steps/s,
+  tokens/s, MFU and ETA.
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict, layout, writer, manager,
+               step_flops: float | None, peak_tflops: float, start_step: int):
+    self._config, self._layout, self._writer, self._manager = config, layout, writer, manager
+    self._step_flops, self._peak_tflops = step_flops, peak_tflops
+    self.sums, self._last_log_time, self._last_log_step, self._sums_steps = (
+        None, time.time(), start_step, 0)
+
+  def add(self, step_sums) -> None:
+    self.sums = step_sums if self.sums is None else jax.tree.map(jnp.add, self.sums, step_sums)
+    self._sums_steps += 1
+
+  def first_step_done(self, step_sums, done: int) -> None:
+    jax.block_until_ready(step_sums)
+    logging.info("First step (compilation included) took %.1f s.",
+                 time.time() - self._last_log_time)
+    self._last_log_time, self._last_log_step = time.time(), done
+
+  def exclude_since(self, pause_start: float) -> None:
+    """Leaves the time since `pause_start` (evaluating, saving) out of the rates."""
+    self._last_log_time += time.time() - pause_start
+
+  def log(self, done: int) -> None:
+    """Checks the sums are finite, then logs them and their rates (to TensorBoard too)."""
+    config, sums_steps = self._config, self._sums_steps
+    host_sums = self._layout.host_sums(self.sums)
+    _check_finite(host_sums, done, self._manager)
+    norms = {k: float(host_sums[k]) / sums_steps for k in ("grad_norm", "param_norm")}
+    train_metrics = metrics.normalize({k: v for k, v in host_sums.items()
+                                       if k not in ("nonfinite_steps", *norms)})
+    lr = float(rsqrt_schedule(config.learning_rate, config.warmup_steps)(done - 1))
+    scalars = dict(loss=train_metrics["loss"], accuracy=train_metrics["accuracy"],
+                   perplexity=metrics.perplexity(train_metrics["loss"]),
+                   learning_rate=lr, **norms)
+    progress = f"step {done}/{config.num_train_steps}: loss {train_metrics['loss']:.4f}, " \
+               f"lr {lr:.2e}, grad_norm {norms['grad_norm']:.3f}"
+    if done > self._last_log_step:  # else only the first step ran since: no rate yet
+      steps_per_sec = (done - self._last_log_step) / (time.time() - self._last_log_time)
+      tokens_per_sec = host_sums["denominator"] / sums_steps * steps_per_sec
+      scalars.update(steps_per_sec=steps_per_sec, step_time_s=1 / steps_per_sec,
+                     tokens_per_sec=tokens_per_sec)
+      progress += f", {steps_per_sec:.2f} steps/s, {tokens_per_sec:.0f} tokens/s"
+      if self._step_flops:
+        scalars["mfu"] = self._step_flops * steps_per_sec / (
+            self._peak_tflops * 1e12 * jax.device_count())
+        progress += f", MFU {scalars['mfu']:.1%}"
+      eta = (config.num_train_steps - done) / steps_per_sec / 60
+      progress += f", ETA {eta:.1f} min"
+    self._writer.write_scalars(done, scalars)
+    self._writer.flush()
+    logging.info("%s", progress)
+    self.sums, self._last_log_time, self._last_log_step, self._sums_steps = (
+        None, time.time(), done, 0)
+
+
+def _check_finite(host_sums: dict, step: int, manager) -> None:
+  if host_sums["nonfinite_steps"] == 0 and np.isfinite(host_sums["loss"]):
+    return
+  last_good = manager.latest_step()
+  raise NonFiniteLossError(
+      f"The training loss or gradient became non-finite by step {step}; stopped without "
+      f"saving. Last good checkpoint: {'none' if last_good is None else f'step {last_good}'} "
+      f"in {manager.directory}. Lower config.learning_rate, raise config.warmup_steps or set "
+      "config.grad_clip_norm, then re-run the same command to resume from it.")
+
+
+def _save(manager, layout, step: int, state: train_state.TrainState, data_state: dict,
+          sums) -> None:
+  """Starts writing the checkpoint of `step` in the background, once the steps since the
+  last log line (`sums`) are known to be finite."""
+  if sums is not None:  # else checked at this step's log line
+    _check_finite(layout.host_sums(sums), step, manager)
+  start = time.time()
+  saved = layout.checkpoint_state(state)
+  checkpoints.save(manager, step, saved.params, saved.opt_state, _whole_data_state(data_state))
+  logging.info("Saved checkpoint %d (%.1f s; written in the background) in %s.", step,
+               time.time() - start, manager.directory)
+
+
+def _wait_for_saves(manager, best: _BestCheckpoint | None) -> None:
   checkpoints.wait_for_saves(manager)
-  if best_manager:
-    checkpoints.wait_for_saves(best_manager)
-    best_manager.close()
-  final_step = manager.latest_step()
-  manager.close()
-  train_writer.close()
-  eval_writer.close()
-  # ---- Summary ---------------------------------------------------------------------------
+  if best:
+    checkpoints.wait_for_saves(best.manager)
+
+
+def _summary(workdir: str, run_start: float, final_step: int | None, stopped_early: bool,
+             result: dict, best: _BestCheckpoint | None, manager) -> list[str]:
+  """The lines of the run's closing log message."""
   summary = [f"Finished at step {final_step}{' (stopped early)' if stopped_early else ''} "
              f"in {(time.time() - run_start) / 60:.1f} min."]
   if result:
     summary.append("Final eval: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(result.items())))
-  if best:
-    summary.append(f"Best {best['metric']} {best['value']:.4f} at step {best['step']} "
-                   f"(--checkpoint best: {best_manager.directory}).")
+  if best and best.record:
+    summary.append(f"Best {best.record['metric']} {best.record['value']:.4f} at step "
+                   f"{best.record['step']} (--checkpoint best: {best.manager.directory}).")
   summary.append(f"Checkpoints: {manager.directory}; TensorBoard: tensorboard --logdir "
                  f"{workdir}.")
-  logging.info("\n  ".join(summary))
-  if best_metric:
-    result = dict(result, best=best, stopped_early=stopped_early)
-  return result
+  return summary
