@@ -35,8 +35,9 @@ def decoding_tag(decoding_config: ml_collections.ConfigDict, average_last: int =
   return tag + (f"_avg{average_last}" if average_last > 1 else "")
 
 
-def run_evaluate(workdir: str, step: int | str | None = None, split: str = "test",
-                 average_last: int = 1, config: ml_collections.ConfigDict | None = None) -> dict:
+def run_evaluate(workdir: str | None, step: int | str | None = None, split: str = "test",
+                 average_last: int = 1, config: ml_collections.ConfigDict | None = None,
+                 predictor: predict.Predictor | None = None) -> dict:
   """Task metrics of the workdir's checkpoint (the newest good one unless `step`, a step or
   'best'; the mean of the last `average_last` checkpoints up to it) on every example of
   `split`, decoded with
@@ -45,13 +46,20 @@ def run_evaluate(workdir: str, step: int | str | None = None, split: str = "test
   Writes WORKDIR/eval/step_N/SPLIT_DECODING/ with metrics.json and, one line per example in
   order, hypotheses.txt, sources.txt and references.txt; logs the metrics to TensorBoard in
   the run WORKDIR/eval_SPLIT.
+
+  A given `predictor` (e.g. `Predictor.from_pretrained`) is evaluated with its own config;
+  its outputs go to WORKDIR/eval/pretrained/ when a workdir is given, nowhere otherwise.
   """
+  if predictor is not None:
+    config = predictor.config
   config = config or workdir_lib.load_config(workdir)
   if split not in config.splits:
     raise ValueError(f"--split {split}: not a split of this workdir's config.splits "
                      f"({', '.join(config.splits)}).")
-  predictor = predict.Predictor.from_workdir(workdir, step, average_last, config)
-  examples, _, encoded = preparation.prepare_data(config, workdir, (split,), training=False)
+  if predictor is None:
+    predictor = predict.Predictor.from_workdir(workdir, step, average_last, config)
+  examples, _, encoded = preparation.prepare_data(config, workdir, (split,), training=False,
+                                                  tokenizer=predictor.tokenizer)
   evaluator = evaluation.Evaluator(config, predictor.family, predictor.tokenizer,
                                    predictor.layout)
   result, rows = evaluator.evaluate_with_outputs(predictor.device_params, encoded[split],
@@ -61,7 +69,13 @@ def run_evaluate(workdir: str, step: int | str | None = None, split: str = "test
                 decoding=config.decoding.method, average_last=average_last)
   if "bleu" in result or config.task == "multitask":
     result["bleu_signature"] = metrics.bleu_signature()
-  outputs_dir = (workdir_lib.path(workdir) / "eval" / f"step_{predictor.step}" /
+  if config.get("pretrained") and predictor.step == 0:
+    result["pretrained"] = config.pretrained
+  if workdir is None:
+    logging.info("Evaluated %s on %s: %s", config.pretrained, split, result)
+    return result
+  checkpoint_dir = f"step_{predictor.step}" if "pretrained" not in result else "pretrained"
+  outputs_dir = (workdir_lib.path(workdir) / "eval" / checkpoint_dir /
                  f"{split}_{decoding_tag(config.decoding, average_last)}")
   result["outputs"] = os.fspath(outputs_dir)
   _write_outputs(outputs_dir, result, config.decoding, rows)
@@ -102,7 +116,8 @@ def _lines(source: IO[str]) -> Iterator[str]:
 def run_predict(workdir: str, input_path: str, output_path: str,
                 step: int | str | None = None,
                 average_last: int = 1, config: ml_collections.ConfigDict | None = None,
-                nbest: int = 1, output_format: str = "text") -> None:
+                nbest: int = 1, output_format: str = "text",
+                predictor: predict.Predictor | None = None) -> None:
   """Outputs for each line of `input_path` into `output_path` ('-' = stdin / stdout; local
   paths or URLs such as gs://).
 
@@ -110,9 +125,10 @@ def run_predict(workdir: str, input_path: str, output_path: str,
   n-best format `INDEX ||| TEXT ||| SCORE`, n lines per input. 'jsonl': one JSON object per
   input line, {"source", "outputs": [{"text", "score"}, ...]} best first (a classifier:
   {"source", "label", "probabilities": {name: p}}). Reading a terminal or a pipe, each line is
-  answered (and flushed) as it arrives; files go in batches.
+  answered (and flushed) as it arrives; files go in batches. A given `predictor` (e.g.
+  `Predictor.from_pretrained`) replaces the workdir's.
   """
-  predictor = predict.Predictor.from_workdir(workdir, step, average_last, config)
+  predictor = predictor or predict.Predictor.from_workdir(workdir, step, average_last, config)
   classifier = not predictor.family.generates_text
   if classifier and output_format == "jsonl":
     nbest = predictor.config.model.num_classes  # every class's probability
@@ -157,3 +173,21 @@ def run_attention(workdir: str, text: str, output_path: str, step: int | str | N
                             predictor.tokenizer)
   workdir_lib.write_atomic(workdir_lib.path(output_path), png)
   return output
+
+
+def run_export(workdir: str, output: str, step: int | str | None = None,
+               average_last: int = 1, config: ml_collections.ConfigDict | None = None
+               ) -> list[str]:
+  """Writes the workdir's checkpoint (as `run_predict` picks it) as a Hugging Face folder
+  `output`; only for workdirs trained from a pretrained checkpoint (config.pretrained)."""
+  from transformer_jax.pretrained import export  # pylint: disable=g-import-not-at-top
+  config = config or workdir_lib.load_config(workdir)
+  if not config.get("pretrained"):
+    raise ValueError(f"{workdir} was trained from random weights: --mode export writes models "
+                     "fine-tuned from a Hugging Face checkpoint (config.pretrained) back to "
+                     "that format.")
+  predictor = predict.Predictor.from_workdir(workdir, step, average_last, config)
+  params = predictor.layout.checkpoint_state(predictor.device_params)
+  written = export.export(params, predictor.family.model_config, workdir, output)
+  logging.info("Exported step %s of %s to %s.", predictor.step, workdir, output)
+  return written

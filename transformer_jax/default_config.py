@@ -73,6 +73,12 @@ def get_config() -> ml_collections.ConfigDict:
   # above), max_train_examples and max_eval_examples (-1 = all). See configs/multitask.py.
   config.mixture = ml_collections.ConfigDict()
 
+  # Start from a pretrained Hugging Face checkpoint: a folder (config.json, model.safetensors,
+  # tokenizer files) or a hub name such as 'google/flan-t5-small' (T5 / mT5 / UMT5, BART /
+  # mBART, Marian). It fixes config.model's architecture keys and the tokenizer (kept in
+  # WORKDIR/pretrained/); dropout, dtype, lengths and everything else stay this config's.
+  # '' = train from random weights.
+  config.pretrained = ""
   # SentencePiece: trained on a sample of the training split and saved in the workdir, or an
   # existing .model file given by `path` (copied into the workdir).
   config.tokenizer = ml_collections.ConfigDict(dict(

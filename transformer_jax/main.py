@@ -4,6 +4,8 @@
   python -m transformer_jax.main --workdir runs/demo --mode evaluate
   python -m transformer_jax.main --workdir runs/demo --mode predict --input in.txt --output -
   python -m transformer_jax.main --workdir runs/demo --mode attention --text "..." --output a.png
+  python -m transformer_jax.main --workdir runs/ft --mode export --output hf_folder
+  python -m transformer_jax.main --pretrained google/flan-t5-small --mode predict --input -
 
 Several hosts (see launch/): add --multihost on Cloud TPU VMs and under SLURM, or
 --coordinator_address=HOST0:PORT --num_processes=N --process_id=I everywhere else.
@@ -22,8 +24,13 @@ from absl import logging
 from ml_collections import config_flags
 
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, tokenizer and config.")
-flags.DEFINE_enum("mode", "train", ["train", "evaluate", "predict", "attention"], "What to do: "
-                  "train, score a split, answer inputs, or draw attention heatmaps.")
+flags.DEFINE_enum("mode", "train", ["train", "evaluate", "predict", "attention", "export"],
+                  "What to do: train, score a split, answer inputs, draw attention heatmaps, "
+                  "or write a model trained from a pretrained checkpoint as a Hugging Face "
+                  "folder (--output DIR).")
+flags.DEFINE_string("pretrained", None, "evaluate / predict: serve this Hugging Face checkpoint "
+                    "(a folder or hub name) as it is, without a workdir. To fine-tune one, "
+                    "train with --config.pretrained=PATH.")
 flags.DEFINE_integer("checkpoint_step", None, "evaluate / predict / attention: this step, not "
                      "the latest.")
 flags.DEFINE_enum("checkpoint", "latest", ["latest", "best"], "evaluate / predict: 'latest' "
@@ -52,7 +59,6 @@ flags.DEFINE_integer("num_processes", None, "multihost: how many processes in al
 flags.DEFINE_integer("process_id", None, "multihost: this process's index, 0 .. N-1.")
 config_flags.DEFINE_config_file("config", None, "Config file (training; evaluate and predict "
                                 "default to the workdir's saved config).", lock_config=True)
-flags.mark_flag_as_required("workdir")
 
 
 class _QuietLibraries(std_logging.Filter):
@@ -155,24 +161,72 @@ def _checkpoint() -> int | str | None:
   return flags.FLAGS.checkpoint_step
 
 
+def _given_config_keys() -> list[str]:
+  """Config keys set on the command line (--config.model.num_layers=2 -> 'model.num_layers')."""
+  return [arg.split("=", 1)[0][len("--config."):] for arg in sys.argv[1:]
+          if arg.startswith("--config.")]
+
+
+def _check_pretrained_overrides(config) -> None:
+  """Training from config.pretrained: command-line keys that contradict the checkpoint are
+  refused before anything is read or written."""
+  from transformer_jax import config_validation  # pylint: disable=g-import-not-at-top
+  from transformer_jax.pretrained import checkpoint  # pylint: disable=g-import-not-at-top
+  from transformer_jax.pretrained import run_config  # pylint: disable=g-import-not-at-top
+  refused = run_config.refused_overrides(checkpoint.open_checkpoint(config.pretrained), config,
+                                         _given_config_keys())
+  if refused:
+    raise config_validation.ConfigError(
+        f"--config.pretrained fixes the model and tokenizer: {'; '.join(refused)}. Drop these "
+        "overrides.")
+
+
+def _pretrained_predictor():
+  """The --pretrained checkpoint served with this command's config (decoding keys given on
+  the command line win over its generation_config.json)."""
+  from transformer_jax import predict  # pylint: disable=g-import-not-at-top
+  given = [k for k in _given_config_keys() if k.startswith("decoding.")]
+  return predict.Predictor.from_pretrained(flags.FLAGS.pretrained, flags.FLAGS.config,
+                                           given_keys=given)
+
+
 def _run() -> None:
   from transformer_jax import commands  # pylint: disable=g-import-not-at-top
   workdir = flags.FLAGS.workdir
+  serving = flags.FLAGS.pretrained is not None
+  if serving and flags.FLAGS.mode not in ("evaluate", "predict"):
+    raise app.UsageError("--pretrained serves a checkpoint with --mode predict or evaluate; to "
+                         "fine-tune it, train with --config.pretrained=PATH.")
+  if workdir is None and not serving:
+    raise app.UsageError("--workdir is required (or --pretrained PATH with --mode predict / "
+                         "evaluate).")
   if flags.FLAGS.mode == "train" and flags.FLAGS.config is None:
     raise app.UsageError("Training needs --config, e.g. --config configs/demo.py.")
+  if flags.FLAGS.mode == "export" and flags.FLAGS.output == "-":
+    raise app.UsageError("--mode export needs --output DIR, the Hugging Face folder to write.")
   if flags.FLAGS.multihost or flags.FLAGS.coordinator_address:
     _initialize_distributed()
   if flags.FLAGS.mode == "train":
     from transformer_jax import train  # pylint: disable=g-import-not-at-top
+    if flags.FLAGS.config.pretrained:
+      _check_pretrained_overrides(flags.FLAGS.config)
     result = train.train_and_evaluate(flags.FLAGS.config, workdir)
     if result.get("preempted"):
       print(f"Stopped at step {result['step']}; checkpoint saved in {result['checkpoint_dir']}. "
             "Re-run the same command to resume.", file=sys.stderr)
   elif flags.FLAGS.mode == "evaluate":
-    result = commands.run_evaluate(workdir, _checkpoint(), flags.FLAGS.split,
-                                   average_last=flags.FLAGS.average_last,
-                                   config=_inference_config())
+    if serving:
+      result = commands.run_evaluate(workdir, split=flags.FLAGS.split,
+                                     predictor=_pretrained_predictor())
+    else:
+      result = commands.run_evaluate(workdir, _checkpoint(), flags.FLAGS.split,
+                                     average_last=flags.FLAGS.average_last,
+                                     config=_inference_config())
     print(json.dumps(result), flush=True)
+  elif flags.FLAGS.mode == "export":
+    written = commands.run_export(workdir, flags.FLAGS.output, _checkpoint(),
+                                  flags.FLAGS.average_last, config=_inference_config())
+    print(f"Wrote a Hugging Face folder {flags.FLAGS.output}: {', '.join(written)}", flush=True)
   elif flags.FLAGS.mode == "attention":
     if not flags.FLAGS.text or flags.FLAGS.output == "-":
       raise app.UsageError('--mode attention needs --text "a source sentence" and --output '
@@ -183,8 +237,9 @@ def _run() -> None:
   else:
     commands.run_predict(workdir, flags.FLAGS.input, flags.FLAGS.output,
                          _checkpoint(), flags.FLAGS.average_last,
-                         config=_inference_config(), nbest=flags.FLAGS.nbest,
-                         output_format=flags.FLAGS.output_format)
+                         config=None if serving else _inference_config(),
+                         nbest=flags.FLAGS.nbest, output_format=flags.FLAGS.output_format,
+                         predictor=_pretrained_predictor() if serving else None)
 
 
 def _flag_value(argv: list[str], name: str) -> str | None:
@@ -199,9 +254,13 @@ def _flag_value(argv: list[str], name: str) -> str | None:
 def with_saved_config(argv: list[str]) -> list[str]:
   """Evaluate / predict without --config read the workdir's saved config (so that
   --config.decoding.* overrides apply to it)."""
-  if (_flag_value(argv, "mode") in ("evaluate", "predict", "attention")
+  if (_flag_value(argv, "mode") in ("evaluate", "predict", "attention", "export")
       and _flag_value(argv, "config") is None):
     workdir = _flag_value(argv, "workdir")
+    if _flag_value(argv, "pretrained"):
+      # Serving a checkpoint: the defaults, which the checkpoint and the overrides then change.
+      defaults = os.path.join(os.path.dirname(__file__), "default_config.py")
+      return [argv[0], f"--config={defaults}", *argv[1:]]
     if workdir:
       # Before the overrides: absl defines --config.* flags when it parses --config.
       saved = os.path.join(os.path.dirname(__file__), "saved_config.py")

@@ -26,6 +26,7 @@ from transformer_jax import parallel
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax import workdir as workdir_lib
 from transformer_jax.data import pipeline
+from transformer_jax.data import preparation
 
 
 class Predictor:
@@ -57,11 +58,40 @@ class Predictor:
     settings), tokenizer and checkpoint (the newest good one unless `step`: a step, or
     'best' for the best evaluation's)."""
     config = config or workdir_lib.load_config(workdir)
-    tokenizer = tokenizer_lib.Tokenizer.load(workdir_lib.tokenizer_path(workdir))
+    tokenizer = preparation.workdir_tokenizer(config, workdir)
     layout = parallel.make_layout(config, fit_devices=True)
     init = functools.partial(families.get(config).init_params, boxed=True)
     params, step = checkpoints.restore_params(workdir, init, step, average_last, layout)
     return cls(config, tokenizer, params, step, layout)
+
+  @classmethod
+  def from_pretrained(cls, name_or_path: str, config: ml_collections.ConfigDict | None = None,
+                      given_keys: Sequence[str] | None = None) -> "Predictor":
+    """A Hugging Face checkpoint (folder or hub name) served as it is: its model, tokenizer
+    and generation_config.json decoding. `config` (default: default_config with the
+    checkpoint's lengths) supplies the task and anything else; its decoding keys named in
+    `given_keys` (e.g. 'decoding.beam_size'; default: those that differ from
+    default_config's) win over the generation config."""
+    from transformer_jax import default_config  # pylint: disable=g-import-not-at-top
+    from transformer_jax.pretrained import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
+    from transformer_jax.pretrained import run_config  # pylint: disable=g-import-not-at-top
+    checkpoint = checkpoint_lib.open_checkpoint(name_or_path)
+    defaults = default_config.get_config()
+    config = ml_collections.ConfigDict((config or defaults).to_dict())
+    lengths = lambda c: (c.max_source_length, c.max_target_length, c.model.max_len)
+    if lengths(config) == lengths(defaults):  # none chosen: as long as the checkpoint allows
+      config.model.max_len = checkpoint.fields.get("max_len", 512)
+      run_config.serving_lengths(config)
+    if given_keys is None:
+      given_keys = [f"decoding.{k}" for k, v in config.decoding.items()
+                    if defaults.decoding.get(k) != v]
+    config.pretrained = name_or_path
+    run_config.apply(config, checkpoint, serving=True, given_keys=set(given_keys))
+    config_validation.validate(config)
+    tokenizer = run_config.tokenizer(checkpoint.folder, checkpoint.vocab)
+    params = checkpoint_lib.read_params(checkpoint)
+    return cls(config, tokenizer, params, step=0,
+               layout=parallel.make_layout(config, fit_devices=True))
 
   @property
   def layout(self):

@@ -30,6 +30,8 @@ from transformer_jax import run_lock
 from transformer_jax import saved_config
 from transformer_jax import summary_writer
 from transformer_jax import tokenizer as tokenizer_lib
+from transformer_jax.pretrained import checkpoint as pretrained_checkpoint
+from transformer_jax.pretrained import run_config as pretrained_run_config
 from transformer_jax import workdir as workdir_lib
 from transformer_jax.data import pipeline
 from transformer_jax.data import preparation
@@ -181,7 +183,13 @@ def _locked(workdir: str):
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains `config` in `workdir` (a local folder or a gs:// URL), resuming from its newest
   good checkpoint; returns the final evaluation (with "preempted": True when a SIGTERM or
-  Ctrl-C stopped it early, after saving)."""
+  Ctrl-C stopped it early, after saving).
+
+  With `config.pretrained`, the checkpoint sets the model's architecture keys first and its
+  weights start the run (unless the workdir already holds a checkpoint to resume from).
+  """
+  if config.pretrained:
+    pretrained_run_config.apply(config, pretrained_checkpoint.open_checkpoint(config.pretrained))
   config_validation.validate(config, jax.device_count())
   use_prng_impl(config)
   workdir_lib.path(workdir).mkdir(parents=True, exist_ok=True)
@@ -213,6 +221,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
 
   # ---- Restore --------------------------------------------------------------------------
   manager = checkpoints.manager(workdir, config.keep_checkpoints)
+  if config.pretrained and manager.latest_step() is None:
+    state = state.replace(params=_pretrained_params(config, family, layout, init_rng))
   state = _restore(config, workdir, manager, state, train_batches)
   if is_chief:  # after a successful restore: a mismatch keeps the old config
     workdir_lib.save_config(workdir, config)
@@ -329,6 +339,18 @@ def _initial_state(config: ml_collections.ConfigDict, family: families.Family, l
   logging.info("Model: %s %s parameters; %s layout.", f"{num_params:,}", family.name,
                layout.mode)
   return state
+
+
+def _pretrained_params(config: ml_collections.ConfigDict, family: families.Family, layout,
+                       rng):
+  """The weights of `config.pretrained`, placed as the layout holds parameters (sharded under
+  jit: each device receives only its part)."""
+  checkpoint = pretrained_checkpoint.open_checkpoint(config.pretrained)
+  boxed = jax.eval_shape(functools.partial(family.init_params, boxed=True), rng)
+  params = pretrained_checkpoint.read_params(checkpoint, parallel.unbox(boxed))
+  logging.info("Model: weights of %s (%s) imported.", config.pretrained, checkpoint.model_type)
+  # pmap: host arrays, replicated on every device with the rest of the state (place_state).
+  return layout.place_params(params, boxed) if layout.mode == "jit" else params
 
 
 def _restore(config: ml_collections.ConfigDict, workdir: str, manager,

@@ -24,15 +24,32 @@ from transformer_jax.data import token_cache
 
 
 def load_tokenizer(config: ml_collections.ConfigDict, workdir: str) -> tokenizer_lib.Tokenizer:
-  """The workdir's tokenizer; on first use copied from `config.tokenizer.path`, or trained on
-  a seeded sample of the training split's texts (by process 0; the others wait and load it,
-  so every process of a multi-host run uses the same one)."""
-  path = workdir_lib.tokenizer_path(workdir)
-  if jax.process_index() == 0 and not path.exists():
-    _new_tokenizer(config).save(path)
+  """The workdir's tokenizer; on first use copied from `config.tokenizer.path`, trained on
+  a seeded sample of the training split's texts, or, for a run from `config.pretrained`, the
+  checkpoint's own (kept in WORKDIR/pretrained/ with its config files). Made by process 0;
+  the others wait and load it, so every process of a multi-host run uses the same one."""
+  if config.pretrained:
+    from transformer_jax.pretrained import checkpoint  # pylint: disable=g-import-not-at-top
+    from transformer_jax.pretrained import run_config  # pylint: disable=g-import-not-at-top
+    made = run_config.files_dir(workdir).exists()
+    if jax.process_index() == 0 and not made:
+      run_config.save_files(checkpoint.open_checkpoint(config.pretrained), workdir)
+  else:
+    path = workdir_lib.tokenizer_path(workdir)
+    if jax.process_index() == 0 and not path.exists():
+      _new_tokenizer(config).save(path)
   if jax.process_count() > 1:  # every process passes here, whether or not it was made now
     multihost_utils.sync_global_devices("tokenizer saved")
-  return tokenizer_lib.Tokenizer.load(path)
+  return workdir_tokenizer(config, workdir)
+
+
+def workdir_tokenizer(config: ml_collections.ConfigDict, workdir: str):
+  """The tokenizer a trained workdir holds (a SentencePiece model, or a pretrained
+  checkpoint's tokenizer files)."""
+  if config.get("pretrained"):
+    from transformer_jax.pretrained import run_config  # pylint: disable=g-import-not-at-top
+    return run_config.saved_tokenizer(workdir)
+  return tokenizer_lib.Tokenizer.load(workdir_lib.tokenizer_path(workdir))
 
 
 def _new_tokenizer(config: ml_collections.ConfigDict) -> tokenizer_lib.Tokenizer:
@@ -58,8 +75,8 @@ def data_shards(config: ml_collections.ConfigDict) -> tuple[int, range]:
   return count, pipeline.shards_of_process(jax.process_index(), jax.process_count(), count)
 
 
-def prepare_data(config: ml_collections.ConfigDict, workdir: str, splits=sources.SPLITS, *,
-                 training: bool = True):
+def prepare_data(config: ml_collections.ConfigDict, workdir: str | None,
+                 splits=sources.SPLITS, *, training: bool = True, tokenizer=None):
   """Examples of the evaluation `splits`, the workdir's tokenizer (made on first use), and
   token features: the training split as `pipeline.Shards` (this process's, see
   `data_shards`), the others as `pipeline.Encoded`.
@@ -67,10 +84,11 @@ def prepare_data(config: ml_collections.ConfigDict, workdir: str, splits=sources
   The training texts are streamed, never held whole (`examples` has no "train"), and each
   shard's features come from the workdir's token cache (data/token_cache.py) when it holds
   them for this tokenizer, config and data; otherwise the shard is encoded and cached. With
-  `training` False the training split is read like the others, to be scored.
+  `training` False the training split is read like the others, to be scored. A given
+  `tokenizer` (a pretrained checkpoint's, served without a workdir) replaces the workdir's.
   """
   family = families.get(config)
-  tokenizer = load_tokenizer(config, workdir)
+  tokenizer = tokenizer or load_tokenizer(config, workdir)
   eval_splits = [split for split in splits if split != "train" or not training]
   examples = examples_lib.load_examples(config, eval_splits) if eval_splits else {}
   encoded = {}

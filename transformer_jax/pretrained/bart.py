@@ -2,7 +2,8 @@
 
 Post-LN (BART) or pre-LN with a final LayerNorm per stack (mBART) blocks with biases,
 learned positions stored two rows late, a LayerNorm over the embeddings (`layernorm_embedding`),
-GELU (erf), tied output with `final_logits_bias`. Ids: bos 0, pad 1, eos 2 = decoder start.
+GELU (erf), tied output with `final_logits_bias`. Ids: bos 0, pad 1, eos 2 = decoder start
+(mBART configs without a decoder_start_token_id start from bos, as transformers does).
 marian.py reuses this weight table.
 """
 
@@ -48,7 +49,15 @@ def common_fields(hf: dict, tied: bool) -> dict:
       norm="layernorm", layer_norm_epsilon=1e-5, ffn_activation=ACTIVATIONS[activation],
       use_bias=True, scale_attention_scores=True,
       scale_embeddings=bool(get(hf, "scale_embedding", False)), tie_output=tied,
-      output_rescale=False, logits_bias=True, bos_id=get(hf, "decoder_start_token_id", 2))
+      output_rescale=False, logits_bias=True, bos_id=decoder_start(hf))
+
+
+def decoder_start(hf: dict) -> int:
+  """The first decoder input, `decoder_start_token_id`, else what transformers fills in: BART's
+  default (eos 2), and for mBART, whose configs may have none, the bos token that `generate`
+  falls back to."""
+  default = 2 if hf["model_type"] == "bart" else get(hf, "bos_token_id", 0)
+  return get(hf, "decoder_start_token_id", default)
 
 
 def model_fields(hf: dict, tied: bool) -> dict:

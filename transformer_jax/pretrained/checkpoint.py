@@ -14,6 +14,7 @@ import json
 import os
 from types import ModuleType
 
+import jax
 import numpy as np
 
 
@@ -161,8 +162,30 @@ def _is_tied(folder: str, module: ModuleType) -> bool:
   return embedding in tensors and np.array_equal(tensors[output], tensors[embedding])
 
 
-def read_params(checkpoint: Checkpoint) -> dict:
-  """This project's parameter tree (numpy float32) of the checkpoint's weights."""
+def read_params(checkpoint: Checkpoint, expected=None) -> dict:
+  """This project's parameter tree (numpy float32) of the checkpoint's weights; checked
+  against `expected` (the model's parameter shapes, e.g. from `jax.eval_shape`) if given."""
   tensors = _Tensors(checkpoint.folder)
   table = checkpoint.architecture.weight_table(checkpoint.hf_config, checkpoint.fields)
-  return mapping.build_params(table, tensors.__getitem__, checkpoint.shapes())
+  params = mapping.build_params(table, tensors.__getitem__, checkpoint.shapes())
+  if expected is not None:
+    _check_shapes(params, expected, checkpoint.folder)
+  return params
+
+
+def _check_shapes(params: dict, expected, folder: str) -> None:
+  got = {_path(p): np.shape(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+  want = {_path(p): tuple(x.shape)
+          for p, x in jax.tree_util.tree_flatten_with_path(expected)[0]}
+  problems = [f"{name}: missing" for name in sorted(set(want) - set(got))]
+  problems += [f"{name}: {got[name]} in the checkpoint, {want[name]} in the model"
+               for name in sorted(set(want) & set(got)) if got[name] != want[name]]
+  problems += [f"{name}: not in the model" for name in sorted(set(got) - set(want))]
+  if problems:
+    raise PretrainedError(f"The weights of {folder} do not fit the model its config describes "
+                          f"({len(problems)} differences, e.g. {'; '.join(problems[:3])}); "
+                          "the config.json and model.safetensors may be from different models.")
+
+
+def _path(path) -> str:
+  return "/".join(str(getattr(k, "key", k)) for k in path)

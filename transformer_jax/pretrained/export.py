@@ -1,0 +1,48 @@
+"""A model trained from a pretrained checkpoint, written back as a Hugging Face folder:
+config.json, model.safetensors, generation_config.json and the tokenizer files, which
+`transformers` loads (in PyTorch or anything else that reads the format)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+from transformer_jax import models
+from transformer_jax.pretrained import checkpoint as checkpoint_lib
+from transformer_jax.pretrained import mapping
+from transformer_jax.pretrained import run_config
+
+
+def export(params, model_config: models.TransformerConfig, workdir: str, output: str) -> list[str]:
+  """Writes the HF folder `output` for `params` of a workdir trained from a checkpoint;
+  returns the names written."""
+  files = run_config.files_dir(workdir)
+  if not (files / "config.json").exists():
+    raise ValueError(f"{workdir} was not trained from a pretrained checkpoint (no "
+                     f"{run_config.FILES_DIR}/config.json): only those export to Hugging Face.")
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  hf_config = json.loads((files / "config.json").read_text())
+  module = checkpoint_lib.ARCHITECTURES[hf_config["model_type"]]
+  vocab = run_config.saved_vocab(workdir)
+  fields = dataclasses.asdict(model_config)
+  shapes = mapping.Shapes(model_config.num_heads, model_config.qkv_dim // model_config.num_heads,
+                          vocab)
+  host_params = _to_numpy(params)
+  tensors = mapping.state_dict(module.weight_table(hf_config, fields), host_params, shapes)
+  os.makedirs(output, exist_ok=True)
+  save_file(tensors, os.path.join(output, checkpoint_lib.WEIGHTS), metadata={"format": "pt"})
+  written = [checkpoint_lib.WEIGHTS]
+  for path in files.iterdir():
+    with open(os.path.join(output, path.name), "wb") as f:
+      f.write(path.read_bytes())
+    written.append(path.name)
+  return sorted(written)
+
+
+def _to_numpy(tree):
+  if isinstance(tree, dict):
+    return {k: _to_numpy(v) for k, v in tree.items()}
+  return np.asarray(tree, np.float32)

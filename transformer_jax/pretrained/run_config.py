@@ -1,0 +1,108 @@
+"""A run's config around a pretrained checkpoint, and the checkpoint files a workdir keeps.
+
+The checkpoint fixes the architecture (`config.model` sizes, norms, positions, vocabulary) and
+its tokenizer; the experiment config keeps what fine-tuning chooses: dropout, dtype, remat,
+the attention implementation, lengths, the task and its data. A workdir trained from a
+checkpoint keeps the checkpoint's config.json, generation_config.json and tokenizer files in
+WORKDIR/pretrained/, so evaluate, predict and export need only the workdir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import ml_collections
+
+from transformer_jax import families
+from transformer_jax import workdir as workdir_lib
+from transformer_jax.pretrained import checkpoint as checkpoint_lib
+from transformer_jax.pretrained import generation
+from transformer_jax.pretrained import tokenizer as tokenizer_lib
+from transformer_jax.pretrained import vocab as vocab_lib
+
+FILES_DIR = "pretrained"  # in a workdir
+# config.model keys a fine-tuning run may set (everything else comes from the checkpoint).
+TUNABLE_MODEL_KEYS = ("dropout_rate", "attention_dropout_rate", "activation_dropout_rate",
+                      "dtype", "remat", "remat_policy", "attention_implementation", "max_len",
+                      "num_classes", "pooling", "cross_attention_score")
+# config.decoding keys that keep a checkpoint's generation valid (banned pad, forced tokens):
+# taken from generation_config.json by every run; the search itself (method, beams, lengths)
+# only when serving the checkpoint as it is.
+_TOKEN_DECODING_KEYS = ("forced_bos_id", "forced_eos", "banned_ids")
+
+
+def files_dir(workdir: str):
+  return workdir_lib.path(workdir) / FILES_DIR
+
+
+def refused_overrides(checkpoint: checkpoint_lib.Checkpoint, config: ml_collections.ConfigDict,
+                      given_keys) -> list[str]:
+  """Command-line keys (e.g. 'model.num_layers') that contradict the checkpoint."""
+  refused = []
+  for key in given_keys:
+    section, _, name = key.partition(".")
+    if section == "tokenizer":
+      refused.append(f"--config.{key} (the tokenizer comes from the checkpoint)")
+    elif (section == "model" and name in checkpoint.fields and name not in TUNABLE_MODEL_KEYS
+          and config.model[name] != checkpoint.fields[name]):
+      refused.append(f"--config.{key}={config.model[name]!r} (the checkpoint has "
+                     f"{checkpoint.fields[name]!r})")
+  return refused
+
+
+def apply(config: ml_collections.ConfigDict, checkpoint: checkpoint_lib.Checkpoint, *,
+          serving: bool = False, given_keys=()) -> None:
+  """Sets `config.model` from the checkpoint (tunable keys stay the config's) and
+  `config.decoding` from its generation_config.json: every setting it makes when `serving`
+  the checkpoint as it is, else only the token rules (banned and forced ids); keys in
+  `given_keys` (set on the command line) stay as given."""
+  fixed_len = checkpoint.fields.get("max_len")
+  with config.unlocked():
+    for key, value in checkpoint.fields.items():
+      if key not in TUNABLE_MODEL_KEYS:
+        config.model[key] = value
+    longest = families.longest_sequence(config)
+    config.model.max_len = fixed_len or max(config.model.max_len, longest)
+    settings = generation.decoding_settings(checkpoint.generation_config, checkpoint.vocab,
+                                            config.model.max_len)
+    for key, value in settings.items():
+      if (serving or key in _TOKEN_DECODING_KEYS) and f"decoding.{key}" not in given_keys:
+        config.decoding[key] = value
+
+
+def serving_lengths(config: ml_collections.ConfigDict) -> None:
+  """Source and target lengths for serving a checkpoint with the default config: as long as
+  its positions allow, at most 512 tokens."""
+  with config.unlocked():
+    length = min(config.model.max_len, 512)
+    config.max_source_length = config.max_target_length = length
+
+
+def save_files(checkpoint: checkpoint_lib.Checkpoint, workdir: str) -> None:
+  """Copies the checkpoint's config, generation config and tokenizer files into the workdir
+  (not the weights: the workdir's own checkpoints hold those)."""
+  target = files_dir(workdir)
+  target.mkdir(parents=True, exist_ok=True)
+  for name in ("config.json", "generation_config.json"):
+    source = os.path.join(checkpoint.folder, name)
+    if os.path.exists(source):
+      with open(source, "rb") as f:
+        workdir_lib.write_atomic(target / name, f.read())
+  tokenizer(checkpoint.folder, checkpoint.vocab).save(target)
+
+
+def tokenizer(folder, vocab: vocab_lib.VocabMap) -> tokenizer_lib.PretrainedTokenizer:
+  return tokenizer_lib.PretrainedTokenizer(folder, vocab)
+
+
+def saved_vocab(workdir: str) -> vocab_lib.VocabMap:
+  """The renumbering of a workdir trained from a checkpoint."""
+  hf_config = json.loads((files_dir(workdir) / "config.json").read_text())
+  module = checkpoint_lib.ARCHITECTURES[hf_config["model_type"]]
+  pad_id, eos_id = module.special_ids(hf_config)
+  return vocab_lib.VocabMap.create(hf_config["vocab_size"], pad_id, eos_id)
+
+
+def saved_tokenizer(workdir: str) -> tokenizer_lib.PretrainedTokenizer:
+  return tokenizer(files_dir(workdir), saved_vocab(workdir))
