@@ -125,15 +125,18 @@ def fused_attention(query: Array, key: Array, value: Array, mask: Array | None,
   """Dot-product attention through `jax.nn.dot_product_attention`: [b, q, h, d] like
   `dot_product_attention`, without weights or dropout."""
   implementation = fused_implementation(implementation)
+  extra = {}  # only what is set: the call is the plain one otherwise
   if bias is not None:
-    bias = bias.astype(query.dtype)
+    extra["bias"] = bias.astype(query.dtype)
+  if scale is not None:
+    extra["scale"] = scale
   if mask is None:
-    return jax.nn.dot_product_attention(query, key, value, bias, scale=scale,
-                                        implementation=implementation)
+    return jax.nn.dot_product_attention(query, key, value, implementation=implementation,
+                                        **extra)
   mask = jnp.broadcast_to(mask, (query.shape[0], 1, query.shape[1], key.shape[1]))
   if implementation != "cudnn":
-    return jax.nn.dot_product_attention(query, key, value, bias, mask=mask, scale=scale,
-                                        implementation=implementation)
+    return jax.nn.dot_product_attention(query, key, value, mask=mask,
+                                        implementation=implementation, **extra)
   # cuDNN must not see a query row that may attend to no key (a padding query; a packed
   # target segment without source): such a row's log-sum-exp is hugely negative, and with an
   # explicit mask and a length of 64 mod 128 (Multi30k's 64-token rows) the Hopper backward
@@ -141,8 +144,8 @@ def fused_attention(query: Array, key: Array, value: Array, mask: Array | None,
   # NaN loss. Those rows attend to every key, then get the reference path's result instead:
   # uniform weights, the mean of the values.
   empty = ~jnp.any(mask, axis=-1)  # [b, 1, q]
-  out = jax.nn.dot_product_attention(query, key, value, bias, mask=mask | empty[..., None],
-                                     scale=scale, implementation="cudnn")
+  out = jax.nn.dot_product_attention(query, key, value, mask=mask | empty[..., None],
+                                     implementation="cudnn", **extra)
   mean = jnp.mean(value, axis=1, keepdims=True, dtype=jnp.float32).astype(out.dtype)
   return jnp.where(empty[:, 0, :, None, None], mean, out)  # [b, q, h, d]
 
