@@ -3,7 +3,8 @@
 Tokenizers are trained here on real sentences (the shared corpora) and saved with
 transformers, so a test reads the same files an import of t5-small, facebook/bart-base or
 Helsinki-NLP/opus-mt-en-de would: T5 spiece.model + tokenizer.json, BART vocab.json +
-merges.txt + tokenizer.json, Marian source.spm + target.spm + vocab.json.
+merges.txt + tokenizer.json, Marian source.spm + target.spm + vocab.json. `tiny_model` writes
+a whole checkpoint folder: a tiny random model of each architecture beside those files.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import gzip
 import io
 import json
 import os
+import shutil
+import tempfile
 import warnings
 
 import sentencepiece as spm
@@ -144,3 +147,174 @@ def marian_tokenizer_files(folder: str, source_texts: list[str], target_texts: l
     warnings.filterwarnings("ignore", message="Recommended: pip install sacremoses")
     transformers.MarianTokenizer.from_pretrained(folder).save_pretrained(folder)
   return _reloaded(folder)
+
+
+# ---- Tiny models -----------------------------------------------------------------------------
+
+# English and German sentences for when the shared corpora are absent, so that model tests
+# never skip (tokenizers trained on them are smaller, which the models follow).
+FALLBACK_SENTENCES = {
+    "en": [
+        "A man is riding a bicycle down the street.", "Two dogs are playing in the snow.",
+        "The children are reading books in the library.", "A woman is cooking dinner.",
+        "Tom said he would be back before noon.", "Mary doesn't know where her keys are.",
+        "The train to Berlin leaves at seven o'clock.", "We walked along the river at night.",
+        "A group of people is standing in front of a building.", "It is raining again today.",
+        "My brother plays the guitar in a small band.", "The old house has a red door.",
+        "She bought three apples and a loaf of bread.", "Please close the window, it's cold.",
+        "A young girl is jumping into a swimming pool.", "They have lived here for ten years.",
+        "The cat is sleeping on the warm sofa.", "Can you help me carry these boxes?",
+        "Two men are working on the roof of a house.", "I will call you tomorrow morning.",
+        "The museum is closed on Mondays.", "A boy in a blue shirt is kicking a ball.",
+        "He forgot his umbrella at the office.", "The weather was beautiful last weekend.",
+        "A dog runs across the green field.", "Where is the nearest train station?",
+        "The teacher explained the problem twice.", "We need more time to finish the work.",
+        "A woman in a black dress is singing on stage.", "Tom is older than his sister.",
+    ],
+    "de": [
+        "Ein Mann fährt mit dem Fahrrad die Straße hinunter.", "Zwei Hunde spielen im Schnee.",
+        "Die Kinder lesen Bücher in der Bibliothek.", "Eine Frau kocht das Abendessen.",
+        "Tom sagte, er sei vor Mittag zurück.", "Maria weiß nicht, wo ihre Schlüssel sind.",
+        "Der Zug nach Berlin fährt um sieben Uhr ab.", "Wir gingen nachts am Fluss entlang.",
+        "Eine Gruppe von Menschen steht vor einem Gebäude.", "Heute regnet es schon wieder.",
+        "Mein Bruder spielt Gitarre in einer kleinen Band.", "Das alte Haus hat eine rote Tür.",
+        "Sie kaufte drei Äpfel und ein Brot.", "Bitte schließ das Fenster, es ist kalt.",
+        "Ein junges Mädchen springt in ein Schwimmbecken.", "Sie wohnen seit zehn Jahren hier.",
+        "Die Katze schläft auf dem warmen Sofa.", "Kannst du mir helfen, diese Kisten zu tragen?",
+        "Zwei Männer arbeiten auf dem Dach eines Hauses.", "Ich rufe dich morgen früh an.",
+        "Das Museum ist montags geschlossen.", "Ein Junge in einem blauen Hemd tritt einen Ball.",
+        "Er hat seinen Regenschirm im Büro vergessen.", "Das Wetter war letztes Wochenende schön.",
+        "Ein Hund rennt über die grüne Wiese.", "Wo ist der nächste Bahnhof?",
+        "Der Lehrer erklärte das Problem zweimal.", "Wir brauchen mehr Zeit für die Arbeit.",
+        "Eine Frau in einem schwarzen Kleid singt auf der Bühne.", "Tom ist älter als seine Schwester.",
+    ],
+}
+
+T5_KINDS = ("t5", "t5_gated", "mt5", "umt5")
+MODEL_KINDS = T5_KINDS + ("bart", "mbart", "marian")
+# Small enough to build and run in well under a second each, big enough to have every part:
+# 4 heads (2 per tensor-parallel device), a width that splits 4 ways (fsdp).
+# BART-like weights initialise wider than transformers' 0.02 (made for d_model in the
+# hundreds), at which a tiny random model repeats one token whatever its input. T5 keeps its
+# own scale: its attention scores are not scaled, and wider weights make the softmax so sharp
+# that float32 itself (transformers against transformers in float64) drifts past 1e-4.
+_T5_SIZES = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+                 relative_attention_num_buckets=8, relative_attention_max_distance=20)
+_BART_SIZES = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                   decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                   init_std=0.3)
+_TOKENIZERS: dict = {}  # (builder, texts) -> a folder of its files, copied into each model's
+
+
+def model_sentences(language: str, count: int = 400) -> list[str]:
+  """`count` sentences of 'en' or 'de' from the shared corpora, or the built-in ones."""
+  return sentences(language, count) or FALLBACK_SENTENCES[language]
+
+
+def _tokenizer_files(kind: str, folder: str, en: list[str], de: list[str]) -> TokenizerFiles:
+  """The kind's tokenizer files copied into `folder`; each tokenizer is trained once per
+  process (the T5 kinds share one, as mBART shares BART's)."""
+  builder = {"t5": "t5", "t5_gated": "t5", "mt5": "t5", "umt5": "t5", "bart": "bart",
+             "mbart": "bart", "marian": "marian"}[kind]
+  key = (builder, tuple(en), tuple(de))
+  if key not in _TOKENIZERS:
+    scratch = tempfile.mkdtemp(prefix=f"hf_{builder}_tokenizer_")
+    if builder == "t5":
+      _TOKENIZERS[key] = t5_tokenizer_files(scratch, en + de, vocab_size=700, extra_ids=20)
+    elif builder == "bart":
+      _TOKENIZERS[key] = bart_tokenizer_files(scratch, en + de, vocab_size=700)
+    else:
+      _TOKENIZERS[key] = marian_tokenizer_files(scratch, en, de, vocab_size=400)
+  os.makedirs(folder, exist_ok=True)
+  for name in os.listdir(_TOKENIZERS[key].folder):
+    shutil.copy(os.path.join(_TOKENIZERS[key].folder, name), folder)
+  return dataclasses.replace(_TOKENIZERS[key], folder=folder)
+
+
+def tiny_model(kind: str, folder: str, *, en: list[str] | None = None,
+               de: list[str] | None = None, generation: dict | None = None,
+               eos_bias: float = 0.0, seed: int = 0) -> str:
+  """Writes a complete tiny Hugging Face checkpoint of `kind` into `folder` and returns it.
+
+  The folder holds what a hub download holds: config.json, generation_config.json,
+  model.safetensors and the tokenizer files, whose pad / eos / decoder start ids and size
+  agree with the model's. Weights are random (torch seed `seed`), with the parts that
+  initialise to constants (norm scales, BART's final_logits_bias) randomised too so that
+  their import is tested.
+
+  Args:
+    kind: one of MODEL_KINDS: 't5' (v1.0: ReLU, tied output, decoder outputs rescaled),
+      't5_gated' (v1.1 / Flan-T5: gated-GELU, untied lm_head), 'mt5' (gated, untied), 'umt5'
+      (relative bias per layer), 'bart', 'mbart' (pre-LN; BART's tokenizer files) and 'marian'
+      (OPUS-MT: scaled embeddings, sinusoidal positions, pad = last id, pad banned).
+    folder: where to write (created if needed).
+    en, de: sentences the tokenizer trains on (English + German; Marian: source English,
+      target German); `model_sentences` by default.
+    generation: generation_config.json values to set, e.g. {"forced_bos_token_id": 0}.
+    eos_bias: added to the logits bias of EOS (BART, mBART, Marian: T5 has no bias), so that
+      outputs end on their own, at different lengths, as a random model's rarely do.
+    seed: torch seed of the weights (offset per kind: mT5 and gated T5 differ).
+  """
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  if kind not in MODEL_KINDS:
+    raise ValueError(f"Unknown kind {kind!r}; use one of {MODEL_KINDS}.")
+  if eos_bias and kind in T5_KINDS:
+    raise ValueError(f"eos_bias: {kind} has no logits bias.")
+  en = model_sentences("en") if en is None else en
+  de = model_sentences("de") if de is None else de
+  files = _tokenizer_files(kind, folder, en, de)
+  size = files.vocab_size
+  generation = dict(generation or {})
+  if kind in T5_KINDS:
+    # Rounded up past the tokenizer like t5-small's 32128 rows for 32100 pieces: rows no
+    # piece uses, and a vocabulary that splits over tensor-parallel devices.
+    sizes = dict(_T5_SIZES, vocab_size=-(-size // 8) * 8, pad_token_id=files.pad_id,
+                 eos_token_id=files.eos_id, decoder_start_token_id=files.pad_id)
+    config_class, model_class = {
+        "t5": (transformers.T5Config, transformers.T5ForConditionalGeneration),
+        "t5_gated": (transformers.T5Config, transformers.T5ForConditionalGeneration),
+        "mt5": (transformers.MT5Config, transformers.MT5ForConditionalGeneration),
+        "umt5": (transformers.UMT5Config, transformers.UMT5ForConditionalGeneration)}[kind]
+    extra = {}
+    if kind != "t5":
+      extra["feed_forward_proj"] = "gated-gelu"
+    if kind in ("t5_gated", "mt5"):
+      extra["tie_word_embeddings"] = False
+    config = config_class(**sizes, **extra)
+  elif kind in ("bart", "mbart"):
+    config_class, model_class = {
+        "bart": (transformers.BartConfig, transformers.BartForConditionalGeneration),
+        "mbart": (transformers.MBartConfig, transformers.MBartForConditionalGeneration)}[kind]
+    # mBART's config leaves decoder_start_token_id unset (transformers' default: generation
+    # then starts from bos); BART's is eos.
+    config = config_class(**_BART_SIZES, vocab_size=size, max_position_embeddings=64,
+                          bos_token_id=files.tokenizer.bos_token_id, pad_token_id=files.pad_id,
+                          eos_token_id=files.eos_id, forced_eos_token_id=files.eos_id)
+  else:
+    model_class = transformers.MarianMTModel
+    config = transformers.MarianConfig(
+        **_BART_SIZES, vocab_size=size, max_position_embeddings=128, pad_token_id=files.pad_id,
+        eos_token_id=files.eos_id, decoder_start_token_id=files.pad_id,
+        forced_eos_token_id=files.eos_id, scale_embedding=True,
+        share_encoder_decoder_embeddings=True)
+    # As every OPUS-MT generation_config.json: never generate the pad token.
+    generation.setdefault("bad_words_ids", [[files.pad_id]])
+  torch.manual_seed(seed * len(MODEL_KINDS) + MODEL_KINDS.index(kind))
+  model = model_class(config).eval()
+  with torch.no_grad():
+    for name, param in model.named_parameters():
+      if "layer_norm" in name or "layernorm" in name:
+        param.add_(0.1 * torch.randn_like(param))
+    if hasattr(model, "final_logits_bias"):
+      model.final_logits_bias.copy_(0.1 * torch.randn_like(model.final_logits_bias))
+      model.final_logits_bias[0, files.eos_id] += eos_bias
+    if kind in ("t5_gated", "mt5"):
+      # Untied: an lm_head of its own, stored beside the embedding.
+      model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight))
+  if generation:
+    for key, value in generation.items():
+      setattr(model.generation_config, key, value)
+    model.generation_config._from_model_config = False  # pylint: disable=protected-access
+  model.save_pretrained(folder)
+  return folder
