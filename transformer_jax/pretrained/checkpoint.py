@@ -3,8 +3,8 @@
 `open_checkpoint(name_or_path)` resolves a folder (downloading a hub name with
 `huggingface_hub` when online), reads config.json and generation_config.json and translates
 them; `read_params(checkpoint)` reads model.safetensors (one file or an indexed set of
-shards) with `safetensors` into numpy, one tensor at a time, and returns this project's
-parameter tree. No torch is needed.
+shards) in the safetensors format into numpy, one tensor at a time, and returns this project's
+parameter tree (float32, whatever the file's dtype). No torch is needed.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 from types import ModuleType
 
 import jax
+import ml_dtypes
 import numpy as np
 
 
@@ -127,28 +128,51 @@ def open_checkpoint(name_or_path: str) -> Checkpoint:
                     vocab)
 
 
+# safetensors dtype names -> numpy (bfloat16 from ml_dtypes, which JAX depends on).
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+           "BOOL": np.bool_}
+
+
 class _Tensors:
-  """Tensors by name across the checkpoint's safetensors files, read on demand."""
+  """Tensors by name across the checkpoint's safetensors files, read on demand.
+
+  The files are read with plain reads at the offsets their headers give (the safetensors
+  format: an 8-byte header length, a JSON header, the raw little-endian data), not memory-
+  mapped: a mapping's pages would count in the process's memory beside every copy made from
+  them (twice the weights' size at peak, benchmarks/RESULTS.md). bfloat16 checkpoints read
+  too (numpy has no bfloat16 of its own).
+  """
 
   def __init__(self, folder: str):
-    from safetensors import safe_open  # pylint: disable=g-import-not-at-top
     index = _read_json(folder, WEIGHTS_INDEX).get("weight_map")
-    files = sorted(set(index.values())) if index else [WEIGHTS]
-    self._files = {name: safe_open(os.path.join(folder, name), framework="np")
-                   for name in files}
-    self._where = {key: name for name, f in self._files.items() for key in f.keys()}
+    self._where = {}
+    for name in sorted(set(index.values())) if index else [WEIGHTS]:
+      path = os.path.join(folder, name)
+      with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+      header.pop("__metadata__", None)
+      for key, info in header.items():
+        self._where[key] = (path, 8 + length, info)
 
   def __contains__(self, name: str) -> bool:
     return name in self._where
-
-  def names(self) -> set[str]:
-    return set(self._where)
 
   def __getitem__(self, name: str) -> np.ndarray:
     if name not in self._where:
       raise PretrainedError(f"The checkpoint has no tensor {name}: the weights do not match "
                             "its config.json.")
-    return self._files[self._where[name]].get_tensor(name)
+    path, data_start, info = self._where[name]
+    if info["dtype"] not in _DTYPES:
+      raise PretrainedError(f"Tensor {name} of {path} has dtype {info['dtype']}, which is not "
+                            "supported.")
+    dtype = np.dtype(_DTYPES[info["dtype"]]).newbyteorder("<")
+    begin, end = info["data_offsets"]
+    with open(path, "rb") as f:
+      f.seek(data_start + begin)
+      array = np.fromfile(f, dtype, (end - begin) // dtype.itemsize)
+    return array.reshape(info["shape"])
 
 
 def _is_tied(folder: str, module: ModuleType) -> bool:

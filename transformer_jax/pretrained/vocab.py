@@ -52,8 +52,18 @@ class VocabMap:
     return self.to_hf[np.asarray(internal_ids)]
 
   def rows_to_internal(self, table: np.ndarray) -> np.ndarray:
-    """A [vocab, ...] array in checkpoint order (embedding, logits bias) in internal order."""
-    return table[self.to_hf]
+    """A [vocab, ...] array in checkpoint order (embedding, logits bias) in internal order.
+    Only the few renumbered rows move: a writable `table` is changed in place, not copied."""
+    return _permute_rows(table, self.to_hf)
 
   def rows_to_hf(self, table: np.ndarray) -> np.ndarray:
-    return table[self.to_internal]
+    return _permute_rows(table, self.to_internal)
+
+
+def _permute_rows(table: np.ndarray, source: np.ndarray) -> np.ndarray:
+  """`table[source]`, moving only the rows that change."""
+  moved = np.flatnonzero(source != np.arange(len(source)))
+  if not table.flags.writeable:
+    table = table.copy()
+  table[moved] = table[source[moved]]  # the right side is gathered before any write
+  return table
