@@ -8,14 +8,13 @@ config's sizes; model.safetensors in transformers' tensor names, written from th
 own weight table, so no torch is needed) unless the folder has one, then times, each in a
 fresh process: `safetensors` reading every tensor into numpy (the floor), and
 `pretrained.checkpoint.read_params` (config translation, renumbering, q/k/v fusing,
-transposes). Peak RSS is the process's maximum resident set, also given above the process's
-resident set before reading (the Python + JAX baseline).
+transposes). Peak RSS is the process's high-water mark (VmHWM), also given above its resident set before
+reading (the Python + JAX baseline).
 """
 
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -72,10 +71,12 @@ def _our_shape(entry, hf, fields):
   return {"wi": (d, ff), "wi_gate": (d, ff), "wo": (ff, d)}[name]
 
 
-def _rss_mb() -> float:
+def _memory_mb(field: str) -> float:
+  """VmRSS (now) or VmHWM (the peak) of this process. Not getrusage's ru_maxrss: a child
+  process inherits its parent's."""
   with open("/proc/self/status") as f:
     for line in f:
-      if line.startswith("VmRSS:"):
+      if line.startswith(f"{field}:"):
         return int(line.split()[1]) / 1024
   return 0.0
 
@@ -86,7 +87,7 @@ def measure(what: str, folder: str) -> dict:
   from safetensors import safe_open  # pylint: disable=g-import-not-at-top
   from transformer_jax.pretrained import checkpoint  # pylint: disable=g-import-not-at-top
   import jax  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
-  baseline = _rss_mb()
+  baseline = _memory_mb("VmRSS")
   start = time.perf_counter()
   if what == "safetensors":
     with safe_open(os.path.join(folder, "model.safetensors"), framework="np") as f:
@@ -94,7 +95,7 @@ def measure(what: str, folder: str) -> dict:
   else:
     held = checkpoint.read_params(checkpoint.open_checkpoint(folder))
   seconds = time.perf_counter() - start
-  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+  peak = _memory_mb("VmHWM")
   del held
   return dict(seconds=seconds, peak_rss_mb=peak, peak_above_baseline_mb=peak - baseline)
 

@@ -7,7 +7,9 @@ export both read that table, so the two directions cannot drift apart.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 from typing import Callable, Iterable
 
 import numpy as np
@@ -144,15 +146,21 @@ def norm_entries(ours: tuple[str, ...], hf: str, bias: bool) -> list[Entry]:
 
 def build_params(table: Iterable[Entry], read: Callable[[str], np.ndarray], s: Shapes,
                  dtype=np.float32) -> dict:
-  """Our parameter tree from the checkpoint tensors `read(name)` gives, one entry at a time
-  (so at most one converted parameter is held beside the tree)."""
+  """Our parameter tree from the checkpoint tensors `read(name)` gives. Entries are read and
+  converted on every core (numpy's copies release the GIL), a few at a time, so memory holds
+  the tree and no more than a core's worth of parameters beside it."""
+
+  def convert(entry: Entry) -> np.ndarray:
+    return np.ascontiguousarray(to_ours(entry, [read(name) for name in entry.hf], s),
+                                dtype=dtype)
+
   params: dict = {}
-  for entry in table:
-    value = to_ours(entry, [read(name) for name in entry.hf], s)
-    node = params
-    for key in entry.path[:-1]:
-      node = node.setdefault(key, {})
-    node[entry.path[-1]] = np.ascontiguousarray(value, dtype=dtype)
+  with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+    for entry, value in zip(table, pool.map(convert, table)):
+      node = params
+      for key in entry.path[:-1]:
+        node = node.setdefault(key, {})
+      node[entry.path[-1]] = value
   return params
 
 
