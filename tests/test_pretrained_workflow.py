@@ -106,6 +106,32 @@ def test_fine_tune_evaluate_and_export(t5_folder, tmp_path, data_cache):
                              atol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def bart_folder(tmp_path_factory):
+  return hf_fixtures.tiny_model("bart", str(tmp_path_factory.mktemp("bart")))
+
+
+def test_fine_tune_under_jit_and_evaluate_pretrained(bart_folder, tmp_path, data_cache):
+  """BART fine-tuned under the jit layout (weights placed in their shardings), then the
+  checkpoint as it is scored by --mode evaluate --pretrained (no workdir)."""
+  from transformer_jax import train  # pylint: disable=import-outside-toplevel
+  config = make_tiny_config(data_cache)
+  config.pretrained = bart_folder
+  config.parallel.mode = "jit"
+  config.num_train_steps, config.eval_every_steps, config.learning_rate = 10, 10, 1e-3
+  result = train.train_and_evaluate(config, str(tmp_path / "run"))
+  assert np.isfinite(result["loss"]) and "bleu" in result
+
+  demo = [f"--config.demo.{k}={v}" for k, v in
+          dict(num_train=100, num_validation=8, num_test=8, cache_dir=data_cache).items()]
+  scored = _serve("--pretrained", bart_folder, "--mode", "evaluate",
+                  "--config.decoding.max_decode_len=8", *demo)
+  assert scored.returncode == 0, scored.stderr[-3000:]
+  metrics = json.loads(scored.stdout.splitlines()[-1])
+  assert metrics["pretrained"] == bart_folder and metrics["examples"] == 8
+  assert "bleu" in metrics and metrics["step"] == 0
+
+
 def _serve(*args, environ=None):
   return subprocess.run([sys.executable, "-m", "transformer_jax.main", *args], cwd=cli.ROOT,
                         env=environ or cli.env(), capture_output=True, text=True, timeout=300,
@@ -138,3 +164,18 @@ def test_bad_checkpoints_are_one_line_errors(t5_folder, tmp_path):
   assert refused.returncode == 2
   assert "--config.model.num_heads=2" in cli.user_error(refused.stderr)
   assert not workdir.exists()  # refused before anything was written
+
+
+def test_config_checks_of_pretrained_runs_and_model_options():
+  from transformer_jax import config_validation  # pylint: disable=import-outside-toplevel
+  from transformer_jax import default_config  # pylint: disable=import-outside-toplevel
+  config = default_config.get_config()
+  config.task, config.pretrained = "classification", "google-t5/t5-small"
+  assert any("encoder-decoder checkpoints" in p for p in config_validation.problems(config))
+  config = default_config.get_config()
+  config.model.update(position_embedding="relative", relative_attention_num_buckets=32,
+                      relative_attention_max_distance=16)
+  assert any("must exceed half" in p for p in config_validation.problems(config))
+  config = default_config.get_config()
+  config.model.update(logits_bias=True, tie_output=False)
+  assert any("logits_bias=True is for the tied" in p for p in config_validation.problems(config))

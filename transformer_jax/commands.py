@@ -181,6 +181,10 @@ def run_export(workdir: str, output: str, step: int | str | None = None,
   """Writes the workdir's checkpoint (as `run_predict` picks it) as a Hugging Face folder
   `output`; only for workdirs trained from a pretrained checkpoint (config.pretrained)."""
   from transformer_jax.pretrained import export  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.process_count() > 1:
+    raise ValueError("--mode export runs on one process: start it without --multihost (it "
+                     "reads the checkpoint whole).")
   config = config or workdir_lib.load_config(workdir)
   if not config.get("pretrained"):
     raise ValueError(f"{workdir} was trained from random weights: --mode export writes models "

@@ -152,6 +152,20 @@ def _cross_key_problems(config: ml_collections.ConfigDict,
     found.append(f"config.model.attention_implementation='cudnn' needs a head dimension "
                  f"(qkv_dim / num_heads = {head_dim}) that is a multiple of 8 and at most 256 "
                  "(cuDNN's flash attention kernels); use 'xla'")
+  if config.pretrained and families.name(config) != "encoder_decoder":
+    found.append("config.pretrained imports encoder-decoder checkpoints (T5, BART, Marian): "
+                 "use it with a translation, summarization or multitask config and "
+                 "config.architecture='encoder_decoder' (classification: T5's text-to-text "
+                 "form, see configs/t5_multitask.py)")
+  if (m.position_embedding == "relative"
+      and m.relative_attention_max_distance <= m.relative_attention_num_buckets // 2):
+    found.append(f"config.model.relative_attention_max_distance="
+                 f"{m.relative_attention_max_distance} must exceed half of "
+                 f"relative_attention_num_buckets={m.relative_attention_num_buckets} (the "
+                 "exact buckets); raise it")
+  if m.logits_bias and not m.tie_output:
+    found.append("config.model.logits_bias=True is for the tied output layer; an untied one "
+                 "(tie_output=False) has its own bias with use_bias=True")
   if m.position_embedding == "relative" and families.name(config) == "decoder_only":
     found.append("config.model.position_embedding='relative' is for encoders and "
                  "encoder-decoders; a decoder_only model takes 'sinusoidal' or 'learned'")

@@ -182,7 +182,9 @@ def get_config() -> ml_collections.ConfigDict:
       max_decode_len=0,
       # Every method: no EOS before this many output tokens; 0 = off.
       min_length=0,
-      # Every method: token ids never generated, e.g. (3, 7); () = none.
+      # Every method: token ids never generated, e.g. (3, 7); () = none. Ids are the model's
+      # own: for an imported checkpoint, renumbered (its pad is 0, its EOS 1; its
+      # generation_config.json's bad_words_ids are added here).
       banned_ids=(),
       # Every method: CTRL repetition penalty on tokens already in the output, > 0; 1 = off,
       # above 1 discourages repeats.
@@ -191,7 +193,8 @@ def get_config() -> ml_collections.ConfigDict:
       # no_repeat_ngram_size; the decoder start token is not part of the output); 0 = off.
       no_repeat_ngram_size=0,
       # Every method: the first output token is this id (Hugging Face's forced_bos_token_id,
-      # e.g. mBART's target language); -1 = none.
+      # set from an imported checkpoint's generation_config.json in the model's renumbered
+      # ids); -1 = none.
       forced_bos_id=-1,
       # Every method: an output that reaches max_decode_len ends with EOS at its last position
       # (Hugging Face's forced_eos_token_id).

@@ -1,4 +1,5 @@
-"""Entry point: train (default), evaluate a checkpoint, or translate a file.
+"""Entry point: train (default), evaluate a checkpoint, answer inputs, draw attention, export
+a fine-tuned model to Hugging Face's format, or serve a Hugging Face checkpoint as it is.
 
   python -m transformer_jax.main --config configs/demo.py --workdir runs/demo
   python -m transformer_jax.main --workdir runs/demo --mode evaluate
@@ -171,10 +172,9 @@ def _check_pretrained_overrides(config) -> None:
   """Training from config.pretrained: command-line keys that contradict the checkpoint are
   refused before anything is read or written."""
   from transformer_jax import config_validation  # pylint: disable=g-import-not-at-top
-  from transformer_jax.pretrained import checkpoint  # pylint: disable=g-import-not-at-top
   from transformer_jax.pretrained import run_config  # pylint: disable=g-import-not-at-top
-  refused = run_config.refused_overrides(checkpoint.open_checkpoint(config.pretrained), config,
-                                         _given_config_keys())
+  refused = run_config.refused_overrides(run_config.run_checkpoint(config, flags.FLAGS.workdir),
+                                         config, _given_config_keys())
   if refused:
     raise config_validation.ConfigError(
         f"--config.pretrained fixes the model and tokenizer: {'; '.join(refused)}. Drop these "

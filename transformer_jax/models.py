@@ -45,7 +45,7 @@ class TransformerConfig:
   activation_dropout_rate: float | None = None  # inside the FFN; None = dropout_rate
   dtype: Any = jnp.float32  # activation dtype; parameters stay float32
   pre_ln: bool = False  # False: post-LN as in the paper; True: pre-LN
-  final_norm: bool | None = None  # LayerNorm after each stack; None = pre_ln
+  final_norm: bool | None = None  # a norm after each stack; None = pre_ln
   layer_norm_epsilon: float = 1e-6
   norm: str = "layernorm"  # or 'rmsnorm' (no bias, no centring: T5)
   # 'relu', 'gelu', 'gelu_tanh', 'silu', gated: 'geglu', 'geglu_tanh', 'reglu', 'swiglu'
@@ -69,7 +69,7 @@ class TransformerConfig:
   attention_implementation: str = "reference"  # or 'xla', 'cudnn', 'auto' (jax.nn)
   remat: bool = False  # recompute each layer's activations in the backward pass
   remat_policy: str = "full"  # with remat: what is kept (see REMAT_POLICIES)
-  bos_id: int = 2  # first decoder input token; the tokenizer reserves it
+  bos_id: int = 2  # first decoder input (the tokenizer reserves it; imports: decoder start)
   num_classes: int = 2  # classifier outputs
   pooling: str = "mean"  # classifier: 'mean' (non-padding), 'first', 'attention'
 

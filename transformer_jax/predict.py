@@ -1,7 +1,8 @@
 """Inference: turn source texts into outputs (translations, summaries, labels).
 
 `Predictor.from_workdir(workdir)` loads the config, tokenizer and newest good (or a given, or
-the average of the last N) checkpoint saved by training, and maps lists of strings to outputs,
+the average of the last N) checkpoint saved by training; `Predictor.from_pretrained(PATH)`
+serves a Hugging Face checkpoint as it is. Either maps lists of strings to outputs,
 batched by length, with the generation settings of `config.decoding` (greedy, sampling or beam
 search), each overridable per call.
 """
@@ -89,7 +90,9 @@ class Predictor:
     run_config.apply(config, checkpoint, serving=True, given_keys=set(given_keys))
     config_validation.validate(config)
     tokenizer = run_config.tokenizer(checkpoint.folder, checkpoint.vocab)
-    params = checkpoint_lib.read_params(checkpoint)
+    boxed = jax.eval_shape(functools.partial(families.get(config).init_params, boxed=True),
+                           jax.random.PRNGKey(0))
+    params = checkpoint_lib.read_params(checkpoint, parallel.unbox(boxed))
     return cls(config, tokenizer, params, step=0,
                layout=parallel.make_layout(config, fit_devices=True))
 

@@ -30,8 +30,6 @@ from transformer_jax import run_lock
 from transformer_jax import saved_config
 from transformer_jax import summary_writer
 from transformer_jax import tokenizer as tokenizer_lib
-from transformer_jax.pretrained import checkpoint as pretrained_checkpoint
-from transformer_jax.pretrained import run_config as pretrained_run_config
 from transformer_jax import workdir as workdir_lib
 from transformer_jax.data import pipeline
 from transformer_jax.data import preparation
@@ -189,7 +187,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   weights start the run (unless the workdir already holds a checkpoint to resume from).
   """
   if config.pretrained:
-    pretrained_run_config.apply(config, pretrained_checkpoint.open_checkpoint(config.pretrained))
+    from transformer_jax.pretrained import run_config  # pylint: disable=g-import-not-at-top
+    run_config.apply(config, run_config.run_checkpoint(config, workdir))
   config_validation.validate(config, jax.device_count())
   use_prng_impl(config)
   workdir_lib.path(workdir).mkdir(parents=True, exist_ok=True)
@@ -345,9 +344,10 @@ def _pretrained_params(config: ml_collections.ConfigDict, family: families.Famil
                        rng):
   """The weights of `config.pretrained`, placed as the layout holds parameters (sharded under
   jit: each device receives only its part)."""
-  checkpoint = pretrained_checkpoint.open_checkpoint(config.pretrained)
+  from transformer_jax.pretrained import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
+  checkpoint = checkpoint_lib.open_checkpoint(config.pretrained)
   boxed = jax.eval_shape(functools.partial(family.init_params, boxed=True), rng)
-  params = pretrained_checkpoint.read_params(checkpoint, parallel.unbox(boxed))
+  params = checkpoint_lib.read_params(checkpoint, parallel.unbox(boxed))
   logging.info("Model: weights of %s (%s) imported.", config.pretrained, checkpoint.model_type)
   # pmap: host arrays, replicated on every device with the rest of the state (place_state).
   return layout.place_params(params, boxed) if layout.mode == "jit" else params

@@ -31,8 +31,7 @@ def load_tokenizer(config: ml_collections.ConfigDict, workdir: str) -> tokenizer
   if config.pretrained:
     from transformer_jax.pretrained import checkpoint  # pylint: disable=g-import-not-at-top
     from transformer_jax.pretrained import run_config  # pylint: disable=g-import-not-at-top
-    made = run_config.files_dir(workdir).exists()
-    if jax.process_index() == 0 and not made:
+    if jax.process_index() == 0 and not run_config.saved(workdir):
       run_config.save_files(checkpoint.open_checkpoint(config.pretrained), workdir)
   else:
     path = workdir_lib.tokenizer_path(workdir)

@@ -5,4 +5,7 @@
   mapping.py     weight-name tables and their conversions, both directions
   vocab.py       the checkpoint's ids renumbered to this project's pad 0 / eos 1
   tokenizer.py   the checkpoint's own tokenizer behind this project's tokenizer interface
+  generation.py  generation_config.json -> config.decoding settings
+  run_config.py  a run's config around a checkpoint; the checkpoint files a workdir keeps
+  export.py      a fine-tuned workdir -> a Hugging Face folder
 """

@@ -47,7 +47,7 @@ def common_fields(hf: dict, tied: bool) -> dict:
       attention_dropout_rate=get(hf, "attention_dropout", 0.0),
       activation_dropout_rate=get(hf, "activation_dropout", 0.0),
       norm="layernorm", layer_norm_epsilon=1e-5, ffn_activation=ACTIVATIONS[activation],
-      use_bias=True, scale_attention_scores=True,
+      use_bias=True, scale_attention_scores=True, position_base=10000.0,
       scale_embeddings=bool(get(hf, "scale_embedding", False)), tie_output=tied,
       output_rescale=False, logits_bias=True, bos_id=decoder_start(hf))
 

@@ -3,13 +3,14 @@
 `open_checkpoint(name_or_path)` resolves a folder (downloading a hub name with
 `huggingface_hub` when online), reads config.json and generation_config.json and translates
 them; `read_params(checkpoint)` reads model.safetensors (one file or an indexed set of
-shards) in the safetensors format into numpy, one tensor at a time, and returns this project's
+shards) in the safetensors format into numpy, a few tensors at a time, and returns this project's
 parameter tree (float32, whatever the file's dtype). No torch is needed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from types import ModuleType
@@ -31,6 +32,11 @@ ARCHITECTURES: dict[str, ModuleType] = {
     **{name: marian for name in marian.MODEL_TYPES}}
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
+# What config.json held for generation before generation_config.json existed.
+GENERATION_KEYS = ("num_beams", "max_length", "min_length", "length_penalty", "do_sample",
+                   "temperature", "top_k", "top_p", "no_repeat_ngram_size", "bad_words_ids",
+                   "forced_bos_token_id", "forced_eos_token_id", "repetition_penalty",
+                   "decoder_start_token_id", "max_new_tokens")
 
 
 class PretrainedError(ValueError):
@@ -62,8 +68,13 @@ class Checkpoint:
 def resolve(name_or_path: str) -> str:
   """A local folder for a folder path or a hub name (downloaded once into the usual
   huggingface_hub cache; offline, the cached copy is used)."""
+  name_or_path = os.path.expanduser(name_or_path)
   if os.path.isdir(name_or_path):
     return name_or_path
+  if "://" in name_or_path:
+    raise PretrainedError(f"{name_or_path}: checkpoints are read from local folders or hub "
+                          "names; copy the folder to local disk first (e.g. gcloud storage "
+                          "cp -r).")
   if os.path.exists(name_or_path):
     raise PretrainedError(f"{name_or_path} is a file; pass the checkpoint's folder (with "
                           "config.json and model.safetensors) or a hub name.")
@@ -74,7 +85,8 @@ def resolve(name_or_path: str) -> str:
   except ImportError as e:
     raise PretrainedError(f"{name_or_path} is not a folder; to download hub names, pip install "
                           "huggingface_hub (or pass a downloaded folder).") from e
-  patterns = ["*.json", "*.safetensors", "*.model", "*.spm", "*.txt", "*.bin"]
+  # Weights only as safetensors: many repos also hold PyTorch .bin copies of them.
+  patterns = ["*.json", "*.safetensors", "*.model", "*.spm", "*.txt"]
   try:
     return huggingface_hub.snapshot_download(name_or_path, allow_patterns=patterns)
   except Exception as e:  # pylint: disable=broad-except
@@ -99,15 +111,18 @@ def _check_weights(folder: str) -> None:
   names = os.listdir(folder)
   if WEIGHTS in names or WEIGHTS_INDEX in names:
     return
+  convert = ("convert them once where torch is installed: python -c \"import transformers as "
+             "t; t.AutoModelForSeq2SeqLM.from_pretrained('NAME').save_pretrained('NEW_DIR')\" "
+             "and pass NEW_DIR.")
   if any(n.endswith(".bin") for n in names):
-    raise PretrainedError(
-        f"{folder} has PyTorch .bin weights but no model.safetensors; convert them once where "
-        "torch is installed: python -c \"import transformers as t; "
-        f"t.AutoModelForSeq2SeqLM.from_pretrained('{folder}').save_pretrained('{folder}')\".")
-  raise PretrainedError(f"{folder} has no weights (model.safetensors); pass a complete "
-                        "Hugging Face model folder.")
+    raise PretrainedError(f"{folder} has PyTorch .bin weights but no model.safetensors; "
+                          + convert.replace("NAME", folder))
+  raise PretrainedError(f"{folder} has no weights (model.safetensors): pass a complete "
+                        "Hugging Face model folder; for a hub model with only .bin weights, "
+                        + convert.replace("NAME", "HUB_NAME"))
 
 
+@functools.lru_cache(maxsize=4)  # one resolve (a hub look-up) and read per run and checkpoint
 def open_checkpoint(name_or_path: str) -> Checkpoint:
   """Resolves and checks a checkpoint and translates its config; reads no weights."""
   folder = resolve(name_or_path)
@@ -119,13 +134,27 @@ def open_checkpoint(name_or_path: str) -> Checkpoint:
     raise PretrainedError(f"model_type {model_type!r} of {name_or_path} is not supported; "
                           f"supported: {', '.join(sorted(ARCHITECTURES))}.")
   _check_weights(folder)
-  module = ARCHITECTURES[model_type]
-  fields = module.model_fields(hf_config, tied=_is_tied(folder, module))
+  return describe(folder, hf_config, tied=_is_tied(folder, ARCHITECTURES[model_type]))
+
+
+def describe(folder: str, hf_config: dict, tied: bool) -> Checkpoint:
+  """The Checkpoint of a config.json (and the folder's generation_config.json)."""
+  module = ARCHITECTURES[hf_config["model_type"]]
+  try:
+    fields = module.model_fields(hf_config, tied=tied)
+  except KeyError as e:
+    raise PretrainedError(f"config.json of {folder} has no {e}; it is not a complete "
+                          f"{hf_config['model_type']} config.") from None
+  generation_config = _read_json(folder, "generation_config.json")
+  if not generation_config:  # older checkpoints keep generation settings in config.json
+    generation_config = {k: v for k, v in hf_config.items() if k in GENERATION_KEYS}
+  # transformers starts decoding from the generation config's start token where it has one.
+  if isinstance(generation_config.get("decoder_start_token_id"), int):
+    fields["bos_id"] = generation_config["decoder_start_token_id"]
   pad_id, eos_id = module.special_ids(hf_config)
   vocab = vocab_lib.VocabMap.create(fields["vocab_size"], pad_id, eos_id)
   fields["bos_id"] = int(vocab.internal(fields["bos_id"]))  # the decoder start
-  return Checkpoint(folder, hf_config, _read_json(folder, "generation_config.json"), fields,
-                    vocab)
+  return Checkpoint(folder, hf_config, generation_config, fields, vocab)
 
 
 # safetensors dtype names -> numpy (bfloat16 from ml_dtypes, which JAX depends on).
@@ -151,6 +180,9 @@ class _Tensors:
       path = os.path.join(folder, name)
       with open(path, "rb") as f:
         length = int.from_bytes(f.read(8), "little")
+        if length > os.path.getsize(path):
+          raise PretrainedError(f"{path} is not a safetensors file (a Git LFS pointer? run "
+                                "`git lfs pull` in the checkpoint's repository).")
         header = json.loads(f.read(length))
       header.pop("__metadata__", None)
       for key, info in header.items():
@@ -191,7 +223,13 @@ def read_params(checkpoint: Checkpoint, expected=None) -> dict:
   against `expected` (the model's parameter shapes, e.g. from `jax.eval_shape`) if given."""
   tensors = _Tensors(checkpoint.folder)
   table = checkpoint.architecture.weight_table(checkpoint.hf_config, checkpoint.fields)
-  params = mapping.build_params(table, tensors.__getitem__, checkpoint.shapes())
+  try:
+    params = mapping.build_params(table, tensors.__getitem__, checkpoint.shapes())
+  except ValueError as e:  # a reshape of a tensor of another size
+    if isinstance(e, PretrainedError):
+      raise
+    raise PretrainedError(f"The weights of {checkpoint.folder} do not fit its config.json "
+                          f"({e}).") from None
   if expected is not None:
     _check_shapes(params, expected, checkpoint.folder)
   return params

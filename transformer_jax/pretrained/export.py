@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 
 import numpy as np
 
 from transformer_jax import models
+from transformer_jax import workdir as workdir_lib
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
 from transformer_jax.pretrained import mapping
 from transformer_jax.pretrained import run_config
@@ -23,7 +23,7 @@ def export(params, model_config: models.TransformerConfig, workdir: str, output:
   if not (files / "config.json").exists():
     raise ValueError(f"{workdir} was not trained from a pretrained checkpoint (no "
                      f"{run_config.FILES_DIR}/config.json): only those export to Hugging Face.")
-  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  from safetensors.numpy import save  # pylint: disable=g-import-not-at-top
   hf_config = json.loads((files / "config.json").read_text())
   module = checkpoint_lib.ARCHITECTURES[hf_config["model_type"]]
   vocab = run_config.saved_vocab(workdir)
@@ -32,12 +32,13 @@ def export(params, model_config: models.TransformerConfig, workdir: str, output:
                           vocab)
   host_params = _to_numpy(params)
   tensors = mapping.state_dict(module.weight_table(hf_config, fields), host_params, shapes)
-  os.makedirs(output, exist_ok=True)
-  save_file(tensors, os.path.join(output, checkpoint_lib.WEIGHTS), metadata={"format": "pt"})
+  target = workdir_lib.path(output)  # a local folder or a bucket URL
+  target.mkdir(parents=True, exist_ok=True)
+  workdir_lib.write_atomic(target / checkpoint_lib.WEIGHTS,
+                           save(tensors, metadata={"format": "pt"}))
   written = [checkpoint_lib.WEIGHTS]
   for path in files.iterdir():
-    with open(os.path.join(output, path.name), "wb") as f:
-      f.write(path.read_bytes())
+    workdir_lib.write_atomic(target / path.name, path.read_bytes())
     written.append(path.name)
   return sorted(written)
 

@@ -17,9 +17,9 @@ def decoding_settings(generation_config: dict, vocab: vocab_lib.VocabMap,
   """config.decoding keys and values that `generation_config` sets (the rest keep theirs)."""
   g = {k: v for k, v in generation_config.items() if v is not None}
   settings = {}
-  if g.get("do_sample"):
+  if g.get("do_sample"):  # transformers' defaults where the file is silent (top_k 50)
     settings.update(method="sample", temperature=float(g.get("temperature", 1.0)),
-                    top_k=int(g.get("top_k", 0)), top_p=float(g.get("top_p", 1.0)))
+                    top_k=int(g.get("top_k", 50)), top_p=float(g.get("top_p", 1.0)))
   elif g.get("num_beams", 1) > 1:
     settings.update(method="beam", beam_size=int(g["num_beams"]), length_penalty="hf",
                     alpha=float(g.get("length_penalty", 1.0)))
@@ -27,7 +27,7 @@ def decoding_settings(generation_config: dict, vocab: vocab_lib.VocabMap,
     settings.update(method="greedy")
   if "max_new_tokens" in g:
     settings["max_decode_len"] = min(int(g["max_new_tokens"]), max_len)
-  elif "max_length" in g and not g.get("_from_model_config"):
+  elif "max_length" in g:
     settings["max_decode_len"] = min(int(g["max_length"]) - 1, max_len)
   if g.get("min_length", 0) > 1:
     settings["min_length"] = int(g["min_length"]) - 1

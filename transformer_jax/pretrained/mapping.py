@@ -155,7 +155,8 @@ def build_params(table: Iterable[Entry], read: Callable[[str], np.ndarray], s: S
                                 dtype=dtype)
 
   params: dict = {}
-  with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+  # At most 8 threads: more cores would hold more converted tensors at once for little gain.
+  with concurrent.futures.ThreadPoolExecutor(min(os.cpu_count() or 1, 8)) as pool:
     for entry, value in zip(table, pool.map(convert, table)):
       node = params
       for key in entry.path[:-1]:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 import ml_collections
 
+from transformer_jax import default_config
 from transformer_jax import families
 from transformer_jax import workdir as workdir_lib
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
@@ -24,8 +26,7 @@ from transformer_jax.pretrained import vocab as vocab_lib
 FILES_DIR = "pretrained"  # in a workdir
 # config.model keys a fine-tuning run may set (everything else comes from the checkpoint).
 TUNABLE_MODEL_KEYS = ("dropout_rate", "attention_dropout_rate", "activation_dropout_rate",
-                      "dtype", "remat", "remat_policy", "attention_implementation", "max_len",
-                      "num_classes", "pooling", "cross_attention_score")
+                      "dtype", "remat", "remat_policy", "attention_implementation", "max_len")
 # config.decoding keys that keep a checkpoint's generation valid (banned pad, forced tokens):
 # taken from generation_config.json by every run; the search itself (method, beams, lengths)
 # only when serving the checkpoint as it is.
@@ -51,12 +52,37 @@ def refused_overrides(checkpoint: checkpoint_lib.Checkpoint, config: ml_collecti
   return refused
 
 
+def run_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> checkpoint_lib.Checkpoint:
+  """The checkpoint a run starts from: described from the workdir's own copy of its config
+  once the run has saved one (so a resumed run needs neither the original folder nor the
+  network), else opened from `config.pretrained`."""
+  files = files_dir(workdir)
+  if saved(workdir) and (workdir_lib.path(workdir) / workdir_lib.CONFIG_FILE).exists():
+    hf_config = json.loads((files / "config.json").read_text())
+    tied = workdir_lib.load_config(workdir).model.tie_output
+    return checkpoint_lib.describe(_local_copy(files), hf_config, tied=tied)
+  return checkpoint_lib.open_checkpoint(config.pretrained)
+
+
+def _local_copy(files) -> str:
+  """A local folder with the workdir's checkpoint files (a temporary copy for gs://)."""
+  if not workdir_lib.is_url(os.fspath(files)):
+    return os.fspath(files)
+  local = tempfile.mkdtemp(prefix="pretrained_files_")
+  for path in files.iterdir():
+    with open(os.path.join(local, path.name), "wb") as f:
+      f.write(path.read_bytes())
+  return local
+
+
 def apply(config: ml_collections.ConfigDict, checkpoint: checkpoint_lib.Checkpoint, *,
           serving: bool = False, given_keys=()) -> None:
   """Sets `config.model` from the checkpoint (tunable keys stay the config's) and
   `config.decoding` from its generation_config.json: every setting it makes when `serving`
-  the checkpoint as it is, else only the token rules (banned and forced ids); keys in
-  `given_keys` (set on the command line) stay as given."""
+  the checkpoint as it is (keys in `given_keys`, set on the command line, stay as given);
+  for training only the token rules (forced ids where the config keeps the default, banned
+  ids added to the config's)."""
+  defaults = default_config.get_config().decoding
   fixed_len = checkpoint.fields.get("max_len")
   with config.unlocked():
     for key, value in checkpoint.fields.items():
@@ -67,7 +93,12 @@ def apply(config: ml_collections.ConfigDict, checkpoint: checkpoint_lib.Checkpoi
     settings = generation.decoding_settings(checkpoint.generation_config, checkpoint.vocab,
                                             config.model.max_len)
     for key, value in settings.items():
-      if (serving or key in _TOKEN_DECODING_KEYS) and f"decoding.{key}" not in given_keys:
+      if serving:
+        if f"decoding.{key}" not in given_keys:
+          config.decoding[key] = value
+      elif key == "banned_ids":
+        config.decoding.banned_ids = tuple(sorted(set(config.decoding.banned_ids) | set(value)))
+      elif key in _TOKEN_DECODING_KEYS and config.decoding[key] == defaults[key]:
         config.decoding[key] = value
 
 
@@ -81,19 +112,32 @@ def serving_lengths(config: ml_collections.ConfigDict) -> None:
 
 def save_files(checkpoint: checkpoint_lib.Checkpoint, workdir: str) -> None:
   """Copies the checkpoint's config, generation config and tokenizer files into the workdir
-  (not the weights: the workdir's own checkpoints hold those)."""
+  (not the weights: the workdir's own checkpoints hold those). config.json goes last: its
+  presence marks the copy complete (`saved`)."""
   target = files_dir(workdir)
   target.mkdir(parents=True, exist_ok=True)
-  for name in ("config.json", "generation_config.json"):
+  tokenizer(checkpoint.folder, checkpoint.vocab).save(target)
+  for name in ("generation_config.json", "config.json"):
     source = os.path.join(checkpoint.folder, name)
     if os.path.exists(source):
       with open(source, "rb") as f:
         workdir_lib.write_atomic(target / name, f.read())
-  tokenizer(checkpoint.folder, checkpoint.vocab).save(target)
+
+
+def saved(workdir: str) -> bool:
+  """Whether the workdir holds a complete copy of its checkpoint's files."""
+  return (files_dir(workdir) / "config.json").exists()
 
 
 def tokenizer(folder, vocab: vocab_lib.VocabMap) -> tokenizer_lib.PretrainedTokenizer:
-  return tokenizer_lib.PretrainedTokenizer(folder, vocab)
+  """The checkpoint's tokenizer; refused where it ends sequences with something other than
+  EOS (mBART-cc25 appends a language code after it), which this pipeline cannot reproduce."""
+  loaded = tokenizer_lib.PretrainedTokenizer(folder, vocab)
+  if not loaded.ends_with_eos:
+    raise checkpoint_lib.PretrainedError(
+        f"The tokenizer of {folder} does not end sequences with its EOS token (mBART-cc25 "
+        "style language codes); such tokenizers are not supported yet.")
+  return loaded
 
 
 def saved_vocab(workdir: str) -> vocab_lib.VocabMap:

@@ -39,13 +39,14 @@ def _activation(hf: dict) -> str:
 
 
 def _output_rescale(hf: dict) -> bool:
-  """Whether transformers multiplies decoder states by d_model^-0.5 before the output layer:
-  T5 records it (`scale_decoder_outputs`, formerly `tie_word_embeddings`), mT5 never does,
-  UMT5 always does (its config forces tie_word_embeddings)."""
+  """Whether decoder states are multiplied by d_model^-0.5 before the output layer: T5
+  records it (`scale_decoder_outputs`, formerly `tie_word_embeddings`); mT5 never does; UMT5
+  does when its config ties the embeddings (as the original models and transformers 4 do:
+  google/umt5-* say false; transformers 5 forces true, and writes true)."""
   if hf["model_type"] == "mt5":
     return False
   if hf["model_type"] == "umt5":
-    return True
+    return hf.get("tie_word_embeddings") is not False
   return _get(hf, "scale_decoder_outputs", hf.get("tie_word_embeddings") is not False)
 
 

@@ -57,7 +57,8 @@ class VocabMap:
     return _permute_rows(table, self.to_hf)
 
   def rows_to_hf(self, table: np.ndarray) -> np.ndarray:
-    return _permute_rows(table, self.to_internal)
+    """Internal order -> checkpoint order, in a copy (export leaves the model's arrays be)."""
+    return _permute_rows(np.array(table), self.to_internal)
 
 
 def _permute_rows(table: np.ndarray, source: np.ndarray) -> np.ndarray:
