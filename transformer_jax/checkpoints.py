@@ -171,12 +171,17 @@ def _shape_mismatches(metadata: Any, params: Any) -> list[str]:
   """Parameters whose saved shape (in the step's item `metadata`) differs from the model's (a
   config problem, not damage; the optimizer state follows the parameters)."""
   saved = metadata["params"]
-  saved = getattr(saved, "tree", saved)
+  return shape_differences(getattr(saved, "tree", saved), params, "saved", prefix="params")
+
+
+def shape_differences(have: Any, wanted: Any, have_name: str, prefix: str = "") -> list[str]:
+  """One line per leaf whose shape in `have` differs from the model's (`wanted`), a leaf
+  missing from either tree showing None."""
   wanted = {jax.tree_util.keystr(p): tuple(x.shape)
-            for p, x in jax.tree_util.tree_leaves_with_path(params)}
+            for p, x in jax.tree_util.tree_leaves_with_path(wanted)}
   have = {jax.tree_util.keystr(p): tuple(getattr(x, "shape", ()))
-          for p, x in jax.tree_util.tree_leaves_with_path(saved)}
-  return [f"params{key}: saved {have.get(key)}, model {wanted.get(key)}"
+          for p, x in jax.tree_util.tree_leaves_with_path(have)}
+  return [f"{prefix}{key}: {have_name} {have.get(key)}, model {wanted.get(key)}"
           for key in sorted(set(wanted) | set(have)) if wanted.get(key) != have.get(key)]
 
 

@@ -9,8 +9,8 @@ marian.py reuses this weight table.
 
 from __future__ import annotations
 
-from transformer_jax.pretrained.mapping import (Entry, attention_entries, dense_entries,
-                                               norm_entries)
+from transformer_jax.pretrained.mapping import (Entry, attention_entries, config_value,
+                                               dense_entries, norm_entries)
 
 MODEL_TYPES = ("bart", "mbart")
 EMBEDDING_TENSOR, OUTPUT_TENSOR = "model.shared.weight", "lm_head.weight"
@@ -21,12 +21,6 @@ ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "gelu_new": "gelu_tanh",
                "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "swish": "silu"}
 
 
-def get(hf: dict, key: str, default):
-  """config.json's value, or `default` where it is missing or null."""
-  value = hf.get(key)
-  return default if value is None else value
-
-
 def common_fields(hf: dict, tied: bool) -> dict:
   """The fields BART-like configs (BART, mBART, Marian) name alike."""
   for encoder_key, decoder_key in (("encoder_attention_heads", "decoder_attention_heads"),
@@ -34,7 +28,7 @@ def common_fields(hf: dict, tied: bool) -> dict:
     if hf.get(decoder_key, hf[encoder_key]) != hf[encoder_key]:
       raise ValueError(f"{encoder_key} != {decoder_key} in config.json: encoders and decoders "
                        "of different widths are not supported.")
-  activation = get(hf, "activation_function", "gelu")
+  activation = config_value(hf, "activation_function", "gelu")
   if activation not in ACTIVATIONS:
     raise ValueError(f"activation_function={activation!r} is not supported; supported: "
                      f"{sorted(ACTIVATIONS)}.")
@@ -43,12 +37,12 @@ def common_fields(hf: dict, tied: bool) -> dict:
       num_heads=hf["encoder_attention_heads"], qkv_dim=hf["d_model"],
       mlp_dim=hf["encoder_ffn_dim"], num_layers=hf["encoder_layers"],
       num_decoder_layers=hf["decoder_layers"], max_len=hf["max_position_embeddings"],
-      dropout_rate=get(hf, "dropout", 0.1),
-      attention_dropout_rate=get(hf, "attention_dropout", 0.0),
-      activation_dropout_rate=get(hf, "activation_dropout", 0.0),
+      dropout_rate=config_value(hf, "dropout", 0.1),
+      attention_dropout_rate=config_value(hf, "attention_dropout", 0.0),
+      activation_dropout_rate=config_value(hf, "activation_dropout", 0.0),
       norm="layernorm", layer_norm_epsilon=1e-5, ffn_activation=ACTIVATIONS[activation],
       use_bias=True, scale_attention_scores=True, position_base=10000.0,
-      scale_embeddings=bool(get(hf, "scale_embedding", False)), tie_output=tied,
+      scale_embeddings=bool(config_value(hf, "scale_embedding", False)), tie_output=tied,
       output_rescale=False, logits_bias=True, bos_id=decoder_start(hf))
 
 
@@ -56,8 +50,8 @@ def decoder_start(hf: dict) -> int:
   """The first decoder input, `decoder_start_token_id`, else what transformers fills in: BART's
   default (eos 2), and for mBART, whose configs may have none, the bos token that `generate`
   falls back to."""
-  default = 2 if hf["model_type"] == "bart" else get(hf, "bos_token_id", 0)
-  return get(hf, "decoder_start_token_id", default)
+  default = 2 if hf["model_type"] == "bart" else config_value(hf, "bos_token_id", 0)
+  return config_value(hf, "decoder_start_token_id", default)
 
 
 def model_fields(hf: dict, tied: bool) -> dict:
@@ -69,7 +63,7 @@ def model_fields(hf: dict, tied: bool) -> dict:
 
 def special_ids(hf: dict) -> tuple[int, int]:
   """The checkpoint's (pad, eos) ids."""
-  return get(hf, "pad_token_id", 1), get(hf, "eos_token_id", 2)
+  return config_value(hf, "pad_token_id", 1), config_value(hf, "eos_token_id", 2)
 
 
 def weight_table(hf: dict, fields: dict, *, learned_positions: bool = True) -> list[Entry]:

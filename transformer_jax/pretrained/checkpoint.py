@@ -15,11 +15,11 @@ import json
 import os
 from types import ModuleType
 
-import jax
 import ml_dtypes
 import numpy as np
 
 
+from transformer_jax import checkpoints
 from transformer_jax.pretrained import bart
 from transformer_jax.pretrained import mapping
 from transformer_jax.pretrained import marian
@@ -134,27 +134,32 @@ def open_checkpoint(name_or_path: str) -> Checkpoint:
     raise PretrainedError(f"model_type {model_type!r} of {name_or_path} is not supported; "
                           f"supported: {', '.join(sorted(ARCHITECTURES))}.")
   _check_weights(folder)
-  return describe(folder, hf_config, tied=_is_tied(folder, ARCHITECTURES[model_type]))
+  return describe(folder, hf_config, _read_json(folder, "generation_config.json"),
+                  tied=_is_tied(folder, ARCHITECTURES[model_type]))
 
 
-def describe(folder: str, hf_config: dict, tied: bool) -> Checkpoint:
-  """The Checkpoint of a config.json (and the folder's generation_config.json)."""
+def describe(folder: str, hf_config: dict, generation_config: dict, tied: bool) -> Checkpoint:
+  """The Checkpoint of a config.json and generation_config.json ({} where there is none)."""
   module = ARCHITECTURES[hf_config["model_type"]]
   try:
     fields = module.model_fields(hf_config, tied=tied)
   except KeyError as e:
     raise PretrainedError(f"config.json of {folder} has no {e}; it is not a complete "
                           f"{hf_config['model_type']} config.") from None
-  generation_config = _read_json(folder, "generation_config.json")
   if not generation_config:  # older checkpoints keep generation settings in config.json
     generation_config = {k: v for k, v in hf_config.items() if k in GENERATION_KEYS}
   # transformers starts decoding from the generation config's start token where it has one.
   if isinstance(generation_config.get("decoder_start_token_id"), int):
     fields["bos_id"] = generation_config["decoder_start_token_id"]
-  pad_id, eos_id = module.special_ids(hf_config)
-  vocab = vocab_lib.VocabMap.create(fields["vocab_size"], pad_id, eos_id)
+  vocab = vocab_map(hf_config)
   fields["bos_id"] = int(vocab.internal(fields["bos_id"]))  # the decoder start
   return Checkpoint(folder, hf_config, generation_config, fields, vocab)
+
+
+def vocab_map(hf_config: dict) -> vocab_lib.VocabMap:
+  """The renumbering of a checkpoint's vocabulary (its pad -> 0, its eos -> 1)."""
+  pad_id, eos_id = ARCHITECTURES[hf_config["model_type"]].special_ids(hf_config)
+  return vocab_lib.VocabMap.create(hf_config["vocab_size"], pad_id, eos_id)
 
 
 # safetensors dtype names -> numpy (bfloat16 from ml_dtypes, which JAX depends on).
@@ -210,7 +215,6 @@ class _Tensors:
 def _is_tied(folder: str, module: ModuleType) -> bool:
   """Whether the output layer is the token embedding: no output tensor of its own, or one
   equal to the embedding (what transformers ties on load)."""
-  _check_weights(folder)
   tensors = _Tensors(folder)
   output, embedding = module.OUTPUT_TENSOR, module.EMBEDDING_TENSOR
   if output not in tensors:
@@ -236,18 +240,8 @@ def read_params(checkpoint: Checkpoint, expected=None) -> dict:
 
 
 def _check_shapes(params: dict, expected, folder: str) -> None:
-  got = {_path(p): np.shape(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
-  want = {_path(p): tuple(x.shape)
-          for p, x in jax.tree_util.tree_flatten_with_path(expected)[0]}
-  problems = [f"{name}: missing" for name in sorted(set(want) - set(got))]
-  problems += [f"{name}: {got[name]} in the checkpoint, {want[name]} in the model"
-               for name in sorted(set(want) & set(got)) if got[name] != want[name]]
-  problems += [f"{name}: not in the model" for name in sorted(set(got) - set(want))]
+  problems = checkpoints.shape_differences(params, expected, "checkpoint")
   if problems:
     raise PretrainedError(f"The weights of {folder} do not fit the model its config describes "
                           f"({len(problems)} differences, e.g. {'; '.join(problems[:3])}); "
                           "the config.json and model.safetensors may be from different models.")
-
-
-def _path(path) -> str:
-  return "/".join(str(getattr(k, "key", k)) for k in path)

@@ -5,9 +5,6 @@ config.json, model.safetensors, generation_config.json and the tokenizer files, 
 from __future__ import annotations
 
 import dataclasses
-import json
-
-import numpy as np
 
 from transformer_jax import models
 from transformer_jax import workdir as workdir_lib
@@ -20,18 +17,17 @@ def export(params, model_config: models.TransformerConfig, workdir: str, output:
   """Writes the HF folder `output` for `params` of a workdir trained from a checkpoint;
   returns the names written."""
   files = run_config.files_dir(workdir)
-  if not (files / "config.json").exists():
+  if not run_config.saved(workdir):
     raise ValueError(f"{workdir} was not trained from a pretrained checkpoint (no "
                      f"{run_config.FILES_DIR}/config.json): only those export to Hugging Face.")
   from safetensors.numpy import save  # pylint: disable=g-import-not-at-top
-  hf_config = json.loads((files / "config.json").read_text())
+  hf_config = run_config.saved_json(workdir)
   module = checkpoint_lib.ARCHITECTURES[hf_config["model_type"]]
-  vocab = run_config.saved_vocab(workdir)
+  vocab = checkpoint_lib.vocab_map(hf_config)
   fields = dataclasses.asdict(model_config)
   shapes = mapping.Shapes(model_config.num_heads, model_config.qkv_dim // model_config.num_heads,
                           vocab)
-  host_params = _to_numpy(params)
-  tensors = mapping.state_dict(module.weight_table(hf_config, fields), host_params, shapes)
+  tensors = mapping.state_dict(module.weight_table(hf_config, fields), params, shapes)
   target = workdir_lib.path(output)  # a local folder or a bucket URL
   target.mkdir(parents=True, exist_ok=True)
   workdir_lib.write_atomic(target / checkpoint_lib.WEIGHTS,
@@ -41,9 +37,3 @@ def export(params, model_config: models.TransformerConfig, workdir: str, output:
     workdir_lib.write_atomic(target / path.name, path.read_bytes())
     written.append(path.name)
   return sorted(written)
-
-
-def _to_numpy(tree):
-  if isinstance(tree, dict):
-    return {k: _to_numpy(v) for k, v in tree.items()}
-  return np.asarray(tree, np.float32)

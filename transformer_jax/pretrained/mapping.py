@@ -1,4 +1,5 @@
-"""Weight-name tables between Hugging Face state dicts and this project's parameter trees.
+"""Weight-name tables between Hugging Face state dicts and this project's parameter trees
+(and `config_value`, the architectures' one reading of config.json values).
 
 An architecture module (t5.py, bart.py, marian.py) lists its tensors once, as `Entry`s: our
 parameter path, the checkpoint's tensor name(s), and how one becomes the other. Import and
@@ -15,6 +16,12 @@ from typing import Callable, Iterable
 import numpy as np
 
 from transformer_jax.pretrained import vocab as vocab_lib
+
+
+def config_value(hf: dict, key: str, default):
+  """config.json's value, or `default` where it is missing or null."""
+  value = hf.get(key)
+  return default if value is None else value
 
 
 @dataclasses.dataclass(frozen=True)

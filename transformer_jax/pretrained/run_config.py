@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 
 import ml_collections
 
@@ -28,7 +27,8 @@ FILES_DIR = "pretrained"  # in a workdir
 TUNABLE_MODEL_KEYS = ("dropout_rate", "attention_dropout_rate", "activation_dropout_rate",
                       "dtype", "remat", "remat_policy", "attention_implementation", "max_len")
 # config.decoding keys that keep a checkpoint's generation valid (banned pad, forced tokens):
-# taken from generation_config.json by every run; the search itself (method, beams, lengths)
+# a training run takes them from generation_config.json where its config keeps the default
+# (banned ids: added to the config's); the search itself (method, beams, lengths) is taken
 # only when serving the checkpoint as it is.
 _TOKEN_DECODING_KEYS = ("forced_bos_id", "forced_eos", "banned_ids")
 
@@ -58,21 +58,12 @@ def run_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> checkpoin
   network), else opened from `config.pretrained`."""
   files = files_dir(workdir)
   if saved(workdir) and (workdir_lib.path(workdir) / workdir_lib.CONFIG_FILE).exists():
-    hf_config = json.loads((files / "config.json").read_text())
+    generation = files / "generation_config.json"
     tied = workdir_lib.load_config(workdir).model.tie_output
-    return checkpoint_lib.describe(_local_copy(files), hf_config, tied=tied)
+    return checkpoint_lib.describe(
+        os.fspath(files), saved_json(workdir),
+        json.loads(generation.read_text()) if generation.exists() else {}, tied=tied)
   return checkpoint_lib.open_checkpoint(config.pretrained)
-
-
-def _local_copy(files) -> str:
-  """A local folder with the workdir's checkpoint files (a temporary copy for gs://)."""
-  if not workdir_lib.is_url(os.fspath(files)):
-    return os.fspath(files)
-  local = tempfile.mkdtemp(prefix="pretrained_files_")
-  for path in files.iterdir():
-    with open(os.path.join(local, path.name), "wb") as f:
-      f.write(path.read_bytes())
-  return local
 
 
 def apply(config: ml_collections.ConfigDict, checkpoint: checkpoint_lib.Checkpoint, *,
@@ -140,12 +131,14 @@ def tokenizer(folder, vocab: vocab_lib.VocabMap) -> tokenizer_lib.PretrainedToke
   return loaded
 
 
+def saved_json(workdir: str) -> dict:
+  """The checkpoint's config.json as the workdir keeps it."""
+  return json.loads((files_dir(workdir) / "config.json").read_text())
+
+
 def saved_vocab(workdir: str) -> vocab_lib.VocabMap:
   """The renumbering of a workdir trained from a checkpoint."""
-  hf_config = json.loads((files_dir(workdir) / "config.json").read_text())
-  module = checkpoint_lib.ARCHITECTURES[hf_config["model_type"]]
-  pad_id, eos_id = module.special_ids(hf_config)
-  return vocab_lib.VocabMap.create(hf_config["vocab_size"], pad_id, eos_id)
+  return checkpoint_lib.vocab_map(saved_json(workdir))
 
 
 def saved_tokenizer(workdir: str) -> tokenizer_lib.PretrainedTokenizer:

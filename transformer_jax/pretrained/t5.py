@@ -8,8 +8,8 @@ for both sides. Ids: pad 0 = decoder start, eos 1 (this project's own convention
 
 from __future__ import annotations
 
-from transformer_jax.pretrained.mapping import (Entry, attention_entries, dense_entries,
-                                               norm_entries)
+from transformer_jax.pretrained.mapping import (Entry, attention_entries, config_value,
+                                               dense_entries, norm_entries)
 
 MODEL_TYPES = ("t5", "mt5", "umt5")
 EMBEDDING_TENSOR, OUTPUT_TENSOR = "shared.weight", "lm_head.weight"
@@ -18,12 +18,6 @@ _ATTENTION = dict(q="q", k="k", v="v", o="o")
 _ACTIVATIONS = {"relu": ("relu", "reglu"), "gelu": ("gelu", "geglu"),
                 "gelu_new": ("gelu_tanh", "geglu_tanh"), "silu": ("silu", "swiglu"),
                 "swish": ("silu", "swiglu")}
-
-
-def _get(hf: dict, key: str, default):
-  """config.json's value, or `default` where it is missing or null."""
-  value = hf.get(key)
-  return default if value is None else value
 
 
 def _activation(hf: dict) -> str:
@@ -47,32 +41,33 @@ def _output_rescale(hf: dict) -> bool:
     return False
   if hf["model_type"] == "umt5":
     return hf.get("tie_word_embeddings") is not False
-  return _get(hf, "scale_decoder_outputs", hf.get("tie_word_embeddings") is not False)
+  return config_value(hf, "scale_decoder_outputs", hf.get("tie_word_embeddings") is not False)
 
 
 def model_fields(hf: dict, tied: bool) -> dict:
   """TransformerConfig fields of the checkpoint's config.json; `tied`: no lm_head of its own."""
-  dropout = _get(hf, "dropout_rate", 0.1)
+  dropout = config_value(hf, "dropout_rate", 0.1)
   return dict(
       vocab_size=hf["vocab_size"], emb_dim=hf["d_model"], num_heads=hf["num_heads"],
       qkv_dim=hf["num_heads"] * hf["d_kv"], mlp_dim=hf["d_ff"], num_layers=hf["num_layers"],
-      num_decoder_layers=_get(hf, "num_decoder_layers", hf["num_layers"]),
+      num_decoder_layers=config_value(hf, "num_decoder_layers", hf["num_layers"]),
       dropout_rate=dropout, attention_dropout_rate=dropout, activation_dropout_rate=dropout,
       pre_ln=True, final_norm=True, norm="rmsnorm",
-      layer_norm_epsilon=_get(hf, "layer_norm_epsilon", 1e-6), ffn_activation=_activation(hf),
+      layer_norm_epsilon=config_value(hf, "layer_norm_epsilon", 1e-6),
+      ffn_activation=_activation(hf),
       use_bias=False, scale_attention_scores=False, position_embedding="relative",
-      relative_attention_num_buckets=_get(hf, "relative_attention_num_buckets", 32),
-      relative_attention_max_distance=_get(hf, "relative_attention_max_distance", 128),
+      relative_attention_num_buckets=config_value(hf, "relative_attention_num_buckets", 32),
+      relative_attention_max_distance=config_value(hf, "relative_attention_max_distance", 128),
       relative_bias_per_layer=hf["model_type"] == "umt5", scale_embeddings=False,
       embedding_norm=False, share_embeddings=True, tie_output=tied,
       output_rescale=_output_rescale(hf), logits_bias=False,
-      bos_id=_get(hf, "decoder_start_token_id", _get(hf, "pad_token_id", 0)))
+      bos_id=config_value(hf, "decoder_start_token_id", config_value(hf, "pad_token_id", 0)))
 
 
 def special_ids(hf: dict) -> tuple[int, int]:
   """The checkpoint's (pad, eos) ids."""
-  eos = _get(hf, "eos_token_id", 1)
-  return _get(hf, "pad_token_id", 0), eos[0] if isinstance(eos, list) else eos
+  eos = config_value(hf, "eos_token_id", 1)
+  return config_value(hf, "pad_token_id", 0), eos[0] if isinstance(eos, list) else eos
 
 
 def weight_table(hf: dict, fields: dict) -> list[Entry]:
