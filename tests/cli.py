@@ -67,6 +67,14 @@ def run(workdir, *args, cache=None, environ=None, timeout=300) -> subprocess.Com
                         capture_output=True, text=True, timeout=timeout)
 
 
+def run_main(*args, input=None, environ=None,  # pylint: disable=redefined-builtin
+             timeout=300) -> subprocess.CompletedProcess:
+  """`python -m transformer_jax.main ARGS` without a workdir (serving a --pretrained model)."""
+  return subprocess.run([sys.executable, "-m", "transformer_jax.main", *args], cwd=ROOT,
+                        env=environ or env(), capture_output=True, text=True, timeout=timeout,
+                        input=input)
+
+
 def user_error(stderr: str) -> str:
   """The lines a user sees besides the log: at most two, and never a traceback."""
   assert "Traceback" not in stderr, stderr[-3000:]

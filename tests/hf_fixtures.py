@@ -1,10 +1,12 @@
 """Tiny Hugging Face checkpoint folders, built offline the way each architecture ships them.
 
 Tokenizers are trained here on real sentences (the shared corpora) and saved with
-transformers, so a test reads the same files an import of t5-small, facebook/bart-base or
-Helsinki-NLP/opus-mt-en-de would: T5 spiece.model + tokenizer.json, BART vocab.json +
-merges.txt + tokenizer.json, Marian source.spm + target.spm + vocab.json. `tiny_model` writes
-a whole checkpoint folder: a tiny random model of each architecture beside those files.
+transformers, so a test reads the same files an import of t5-small, facebook/bart-base,
+Helsinki-NLP/opus-mt-en-de, bert-base-uncased, roberta-base, xlm-roberta-base or gpt2 would:
+T5 spiece.model + tokenizer.json, BART / RoBERTa / GPT-2 vocab.json + merges.txt +
+tokenizer.json, Marian source.spm + target.spm + vocab.json, BERT vocab.txt + tokenizer.json,
+XLM-R sentencepiece.bpe.model + tokenizer.json. `tiny_model` writes a whole checkpoint folder:
+a tiny random model of each architecture beside those files.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from typing import Sequence
 
 import sentencepiece as spm
 
@@ -34,7 +37,8 @@ _CORPORA = {
 
 def sentences(language: str, count: int) -> list[str] | None:
   """`count` non-empty sentences of 'en', 'de' or 'vi' from the shared corpora, taken
-  alternately from each file; None when the corpora are not here."""
+  alternately from each file (Vietnamese: Tatoeba's short everyday sentences and IWSLT'15's
+  TED talks, tokenized); None when the corpora are not here."""
   lines = []
   for name in _CORPORA[language]:
     path = os.path.join(SHARED, name)
@@ -149,10 +153,77 @@ def marian_tokenizer_files(folder: str, source_texts: list[str], target_texts: l
   return _reloaded(folder)
 
 
+def bert_tokenizer_files(folder: str, texts: list[str], vocab_size: int = 800) -> TokenizerFiles:
+  """Uncased BERT (bert-base-uncased style): WordPiece over lower-cased, accent-stripped text
+  with [PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3, [MASK]=4, as vocab.txt + tokenizer.json. Sequences
+  are `[CLS] text [SEP]`; there is no eos or bos token."""
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  os.makedirs(folder, exist_ok=True)
+  wordpiece = tokenizers.BertWordPieceTokenizer(lowercase=True)
+  wordpiece.train_from_iterator(texts, vocab_size=vocab_size, show_progress=False,
+                                special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+  wordpiece.save_model(folder)  # vocab.txt
+  transformers.BertTokenizerFast.from_pretrained(folder, do_lower_case=True).save_pretrained(
+      folder)
+  return _reloaded(folder)
+
+
+def roberta_tokenizer_files(folder: str, texts: list[str],
+                            vocab_size: int = 700) -> TokenizerFiles:
+  """RoBERTa: byte-level BPE with <s>=0, <pad>=1, </s>=2, <unk>=3 and <mask> last (BART's
+  layout), as vocab.json + merges.txt + tokenizer.json. Sequences are `<s> text </s>`."""
+  import transformers  # pylint: disable=import-outside-toplevel
+  _byte_level_bpe(folder, texts, vocab_size, ["<s>", "<pad>", "</s>", "<unk>"], ["<mask>"])
+  transformers.RobertaTokenizerFast.from_pretrained(folder).save_pretrained(folder)
+  return _reloaded(folder)
+
+
+def xlmr_tokenizer_files(folder: str, texts: list[str], vocab_size: int = 800) -> TokenizerFiles:
+  """XLM-RoBERTa: a SentencePiece unigram model (<unk>=0, <s>=1, </s>=2 inside it) saved as
+  sentencepiece.bpe.model + tokenizer.json, whose ids are fairseq's as XLM-R's are: <s>=0,
+  <pad>=1, </s>=2, <unk>=3, every other piece its SentencePiece id + 1, <mask> last."""
+  import transformers  # pylint: disable=import-outside-toplevel
+  os.makedirs(folder, exist_ok=True)
+  with open(os.path.join(folder, "sentencepiece.bpe.model"), "wb") as f:
+    f.write(_spm_model(texts, vocab_size, unk_id=0, bos_id=1, eos_id=2, pad_id=-1))
+  transformers.XLMRobertaTokenizerFast.from_pretrained(folder).save_pretrained(folder)
+  return _reloaded(folder)
+
+
+def gpt2_tokenizer_files(folder: str, texts: list[str], vocab_size: int = 800) -> TokenizerFiles:
+  """GPT-2: byte-level BPE (all 256 bytes, then merges) with `<|endoftext|>` the last id, as
+  vocab.json + merges.txt + tokenizer.json. `<|endoftext|>` is bos, eos and unk; there is no
+  pad, and the tokenizer adds nothing to a text."""
+  import transformers  # pylint: disable=import-outside-toplevel
+  _byte_level_bpe(folder, texts, vocab_size - 1, [], ["<|endoftext|>"])
+  transformers.GPT2TokenizerFast.from_pretrained(folder).save_pretrained(folder)
+  return _reloaded(folder)
+
+
+def _byte_level_bpe(folder: str, texts: list[str], vocab_size: int, first: list[str],
+                    last: list[str]) -> None:
+  """vocab.json + merges.txt of a byte-level BPE with the `first` tokens at ids 0, 1, ... and
+  the `last` ones after every merge (RoBERTa's <mask>, GPT-2's <|endoftext|>)."""
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  os.makedirs(folder, exist_ok=True)
+  bpe = tokenizers.ByteLevelBPETokenizer()
+  bpe.train_from_iterator(texts, vocab_size=vocab_size, show_progress=False,
+                          special_tokens=first)
+  bpe.model.save(folder)
+  vocab_path = os.path.join(folder, "vocab.json")
+  with open(vocab_path, encoding="utf-8") as f:
+    vocab = json.load(f)
+  for token in last:
+    vocab[token] = len(vocab)
+  with open(vocab_path, "w", encoding="utf-8") as f:
+    json.dump(vocab, f, ensure_ascii=False)
+
+
 # ---- Tiny models -----------------------------------------------------------------------------
 
-# English and German sentences for when the shared corpora are absent, so that model tests
-# never skip (tokenizers trained on them are smaller, which the models follow).
+# English, German and Vietnamese sentences for when the shared corpora are absent, so that
+# model tests never skip (tokenizers trained on them are smaller, which the models follow).
 FALLBACK_SENTENCES = {
     "en": [
         "A man is riding a bicycle down the street.", "Two dogs are playing in the snow.",
@@ -188,10 +259,33 @@ FALLBACK_SENTENCES = {
         "Der Lehrer erklärte das Problem zweimal.", "Wir brauchen mehr Zeit für die Arbeit.",
         "Eine Frau in einem schwarzen Kleid singt auf der Bühne.", "Tom ist älter als seine Schwester.",
     ],
+    "vi": [
+        "Một người đàn ông đang đạp xe xuống phố.", "Hai con chó đang chơi trong tuyết.",
+        "Bọn trẻ đang đọc sách trong thư viện.", "Một người phụ nữ đang nấu bữa tối.",
+        "Tom nói anh ấy sẽ về trước buổi trưa.", "Mary không biết chìa khóa của cô ấy ở đâu.",
+        "Chuyến tàu đi Hà Nội khởi hành lúc bảy giờ.", "Chúng tôi đi dạo dọc bờ sông vào ban đêm.",
+        "Hôm nay trời lại mưa.", "Anh trai tôi chơi ghi-ta trong một ban nhạc nhỏ.",
+        "Ngôi nhà cũ có một cánh cửa màu đỏ.", "Cô ấy mua ba quả táo và một ổ bánh mì.",
+        "Làm ơn đóng cửa sổ lại, trời lạnh quá.", "Họ đã sống ở đây mười năm rồi.",
+        "Con mèo đang ngủ trên chiếc ghế sofa ấm áp.",
+        "Bạn có thể giúp tôi mang những cái hộp này không?",
+        "Tôi sẽ gọi cho bạn vào sáng mai.", "Bảo tàng đóng cửa vào thứ Hai.",
+        "Anh ấy quên chiếc ô ở văn phòng.", "Thời tiết cuối tuần trước rất đẹp.",
+        "Ga tàu gần nhất ở đâu?", "Thầy giáo đã giải thích vấn đề hai lần.",
+        "Giảng viên nhiệt tình và rất vui tính.", "Giáo trình chưa cụ thể, khó hiểu.",
+        "Tom lớn tuổi hơn em gái của anh ấy.",
+        "Chúng ta cần thêm thời gian để hoàn thành công việc.",
+    ],
 }
 
 T5_KINDS = ("t5", "t5_gated", "mt5", "umt5")
-MODEL_KINDS = T5_KINDS + ("bart", "mbart", "marian")
+SEQ2SEQ_KINDS = T5_KINDS + ("bart", "mbart", "marian")
+# The encoder-decoders: test_pretrained_models runs its translation tests over these, and
+# their weights' seeds derive from this order (kept, so their checkpoints stay the same).
+MODEL_KINDS = SEQ2SEQ_KINDS
+ENCODER_KINDS = ("bert", "bert_bare", "roberta", "xlm-roberta")  # encoder-only (classifiers)
+DECODER_KINDS = ("gpt2",)  # decoder-only language models
+ALL_KINDS = SEQ2SEQ_KINDS + ENCODER_KINDS + DECODER_KINDS
 # Small enough to build and run in well under a second each, big enough to have every part:
 # 4 heads (2 per tensor-parallel device), a width that splits 4 ways (fsdp).
 # BART-like weights initialise wider than transformers' 0.02 (made for d_model in the
@@ -203,28 +297,45 @@ _T5_SIZES = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2
 _BART_SIZES = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                    decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
                    init_std=0.3)
+# The encoders and GPT-2 (hidden 32, 2 layers, 4 heads, intermediate 64, as above) initialise
+# wider than transformers' 0.02 too: at 0.02 a tiny classifier gives every text nearly the same
+# logits and GPT-2 a nearly uniform next-token distribution, which compare equal whatever an
+# import gets wrong.
+_ENCODER_SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=64, initializer_range=0.3)
+_GPT2_SIZES = dict(n_embd=32, n_layer=2, n_head=4, n_inner=64, initializer_range=0.3)
+# Label names as a sentiment checkpoint's config.json has them (UIT-VSFC's 0 / 1 / 2).
+SENTIMENT_LABELS = ("negative", "neutral", "positive")
+_LABELS = {"bert": SENTIMENT_LABELS, "roberta": ("negative", "positive"),
+           "xlm-roberta": SENTIMENT_LABELS}
 _TOKENIZERS: dict = {}  # (builder, texts) -> a folder of its files, copied into each model's
 
 
 def model_sentences(language: str, count: int = 400) -> list[str]:
-  """`count` sentences of 'en' or 'de' from the shared corpora, or the built-in ones."""
+  """`count` sentences of 'en', 'de' or 'vi' from the shared corpora, or the built-in ones."""
   return sentences(language, count) or FALLBACK_SENTENCES[language]
 
 
-def _tokenizer_files(kind: str, folder: str, en: list[str], de: list[str]) -> TokenizerFiles:
+def _tokenizer_files(kind: str, folder: str, en: list[str], de: list[str],
+                     vi: list[str]) -> TokenizerFiles:
   """The kind's tokenizer files copied into `folder`; each tokenizer is trained once per
-  process (the T5 kinds share one, as mBART shares BART's)."""
+  process (the T5 kinds share one, as mBART shares BART's and bert_bare BERT's)."""
   builder = {"t5": "t5", "t5_gated": "t5", "mt5": "t5", "umt5": "t5", "bart": "bart",
-             "mbart": "bart", "marian": "marian"}[kind]
-  key = (builder, tuple(en), tuple(de))
+             "mbart": "bart", "marian": "marian", "bert": "bert", "bert_bare": "bert",
+             "roberta": "roberta", "xlm-roberta": "xlmr", "gpt2": "gpt2"}[kind]
+  texts = {"t5": (en + de,), "bart": (en + de,), "marian": (en, de), "bert": (en,),
+           "roberta": (en,), "xlmr": (vi + en,), "gpt2": (en,)}[builder]
+  key = (builder, *map(tuple, texts))
   if key not in _TOKENIZERS:
     scratch = tempfile.mkdtemp(prefix=f"hf_{builder}_tokenizer_")
-    if builder == "t5":
-      _TOKENIZERS[key] = t5_tokenizer_files(scratch, en + de, vocab_size=700, extra_ids=20)
-    elif builder == "bart":
-      _TOKENIZERS[key] = bart_tokenizer_files(scratch, en + de, vocab_size=700)
-    else:
-      _TOKENIZERS[key] = marian_tokenizer_files(scratch, en, de, vocab_size=400)
+    _TOKENIZERS[key] = {
+        "t5": lambda: t5_tokenizer_files(scratch, *texts, vocab_size=700, extra_ids=20),
+        "bart": lambda: bart_tokenizer_files(scratch, *texts, vocab_size=700),
+        "marian": lambda: marian_tokenizer_files(scratch, *texts, vocab_size=400),
+        "bert": lambda: bert_tokenizer_files(scratch, *texts, vocab_size=800),
+        "roberta": lambda: roberta_tokenizer_files(scratch, *texts, vocab_size=700),
+        "xlmr": lambda: xlmr_tokenizer_files(scratch, *texts, vocab_size=800),
+        "gpt2": lambda: gpt2_tokenizer_files(scratch, *texts, vocab_size=800)}[builder]()
   os.makedirs(folder, exist_ok=True)
   for name in os.listdir(_TOKENIZERS[key].folder):
     shutil.copy(os.path.join(_TOKENIZERS[key].folder, name), folder)
@@ -232,38 +343,56 @@ def _tokenizer_files(kind: str, folder: str, en: list[str], de: list[str]) -> To
 
 
 def tiny_model(kind: str, folder: str, *, en: list[str] | None = None,
-               de: list[str] | None = None, generation: dict | None = None,
-               eos_bias: float = 0.0, seed: int = 0) -> str:
+               de: list[str] | None = None, vi: list[str] | None = None,
+               generation: dict | None = None, eos_bias: float = 0.0,
+               labels: int | Sequence[str] | None = None, seed: int = 0) -> str:
   """Writes a complete tiny Hugging Face checkpoint of `kind` into `folder` and returns it.
 
-  The folder holds what a hub download holds: config.json, generation_config.json,
-  model.safetensors and the tokenizer files, whose pad / eos / decoder start ids and size
-  agree with the model's. Weights are random (torch seed `seed`), with the parts that
-  initialise to constants (norm scales, BART's final_logits_bias) randomised too so that
-  their import is tested.
+  The folder holds what a hub download holds: config.json, generation_config.json (not the
+  encoders': they do not generate), model.safetensors and the tokenizer files, whose pad /
+  eos / decoder start ids and size agree with the model's. Weights are random (torch seed
+  `seed`), with the parts that initialise to constants (norm scales, BART's
+  final_logits_bias; the encoders' and GPT-2's biases) randomised too so that their import is
+  tested.
 
   Args:
-    kind: one of MODEL_KINDS: 't5' (v1.0: ReLU, tied output, decoder outputs rescaled),
-      't5_gated' (v1.1 / Flan-T5: gated-GELU, untied lm_head), 'mt5' (gated, untied), 'umt5'
-      (relative bias per layer), 'bart', 'mbart' (pre-LN; BART's tokenizer files) and 'marian'
-      (OPUS-MT: scaled embeddings, sinusoidal positions, pad = last id, pad banned).
+    kind: one of ALL_KINDS. Encoder-decoders (MODEL_KINDS): 't5' (v1.0: ReLU, tied output,
+      decoder outputs rescaled), 't5_gated' (v1.1 / Flan-T5: gated-GELU, untied lm_head),
+      'mt5' (gated, untied), 'umt5' (relative bias per layer), 'bart', 'mbart' (pre-LN; BART's
+      tokenizer files) and 'marian' (OPUS-MT: scaled embeddings, sinusoidal positions, pad =
+      last id, pad banned). Encoders (ENCODER_KINDS, post-LN, 64 positions): 'bert'
+      (uncased WordPiece, [PAD]=0 [SEP]=3 the end token, no eos; a classifier of 3 labels
+      negative / neutral / positive), 'bert_bare' (BertModel with its pooler, no classifier),
+      'roberta' (byte-level BPE, <s>=0 <pad>=1 </s>=2, positions offset past the pad so
+      max_position_embeddings = 64 + 2, one token type; 2 labels negative / positive) and
+      'xlm-roberta' (SentencePiece with XLM-R's ids, trained on Vietnamese + English, else as
+      'roberta'; 3 labels as 'bert'). Decoder-only (DECODER_KINDS): 'gpt2' (pre-LN, tied
+      output, 128 positions, `<|endoftext|>` the last id as bos and eos, no pad).
     folder: where to write (created if needed).
-    en, de: sentences the tokenizer trains on (English + German; Marian: source English,
-      target German); `model_sentences` by default.
+    en, de, vi: sentences the tokenizer trains on (T5, BART: English + German; Marian: source
+      English, target German; BERT, RoBERTa, GPT-2: English; XLM-R: Vietnamese + English);
+      `model_sentences` by default.
     generation: generation_config.json values to set, e.g. {"forced_bos_token_id": 0}.
     eos_bias: added to the logits bias of EOS (BART, mBART, Marian: T5 has no bias), so that
       outputs end on their own, at different lengths, as a random model's rarely do.
+    labels: the classifiers' labels instead of the kind's: a number of them (transformers'
+      names LABEL_0, LABEL_1, ...) or their names (config.json's id2label).
     seed: torch seed of the weights (offset per kind: mT5 and gated T5 differ).
   """
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
-  if kind not in MODEL_KINDS:
-    raise ValueError(f"Unknown kind {kind!r}; use one of {MODEL_KINDS}.")
-  if eos_bias and kind in T5_KINDS:
+  if kind not in ALL_KINDS:
+    raise ValueError(f"Unknown kind {kind!r}; use one of {ALL_KINDS}.")
+  if eos_bias and kind not in ("bart", "mbart", "marian"):
     raise ValueError(f"eos_bias: {kind} has no logits bias.")
+  if labels is not None and kind not in _LABELS:
+    raise ValueError(f"labels: {kind} has no classifier; use one of {tuple(_LABELS)}.")
+  if generation and kind in ENCODER_KINDS:
+    raise ValueError(f"generation: {kind} does not generate.")
   en = model_sentences("en") if en is None else en
   de = model_sentences("de") if de is None else de
-  files = _tokenizer_files(kind, folder, en, de)
+  vi = model_sentences("vi") if vi is None else vi
+  files = _tokenizer_files(kind, folder, en, de, vi)
   size = files.vocab_size
   generation = dict(generation or {})
   if kind in T5_KINDS:
@@ -291,7 +420,7 @@ def tiny_model(kind: str, folder: str, *, en: list[str] | None = None,
     config = config_class(**_BART_SIZES, vocab_size=size, max_position_embeddings=64,
                           bos_token_id=files.tokenizer.bos_token_id, pad_token_id=files.pad_id,
                           eos_token_id=files.eos_id, forced_eos_token_id=files.eos_id)
-  else:
+  elif kind == "marian":
     model_class = transformers.MarianMTModel
     config = transformers.MarianConfig(
         **_BART_SIZES, vocab_size=size, max_position_embeddings=128, pad_token_id=files.pad_id,
@@ -300,11 +429,23 @@ def tiny_model(kind: str, folder: str, *, en: list[str] | None = None,
         share_encoder_decoder_embeddings=True)
     # As every OPUS-MT generation_config.json: never generate the pad token.
     generation.setdefault("bad_words_ids", [[files.pad_id]])
-  torch.manual_seed(seed * len(MODEL_KINDS) + MODEL_KINDS.index(kind))
+  elif kind in ENCODER_KINDS:
+    model_class, config = _encoder(kind, files, _LABELS.get(kind) if labels is None else labels)
+  else:
+    model_class = transformers.GPT2LMHeadModel
+    end = files.eos_id  # <|endoftext|>: GPT-2 starts and ends texts with it, and pads with none
+    config = transformers.GPT2Config(**_GPT2_SIZES, vocab_size=size, n_positions=128,
+                                     bos_token_id=end, eos_token_id=end, pad_token_id=None)
+  # The encoder-decoders keep the seeds they had before the other kinds came.
+  kinds = MODEL_KINDS if kind in MODEL_KINDS else ALL_KINDS
+  torch.manual_seed(seed * len(kinds) + kinds.index(kind))
   model = model_class(config).eval()
   with torch.no_grad():
     for name, param in model.named_parameters():
       if "layer_norm" in name or "layernorm" in name:
+        param.add_(0.1 * torch.randn_like(param))
+      elif kind not in MODEL_KINDS and (_is_norm(name) or name.endswith(".bias")):
+        # BERT's LayerNorm, GPT-2's ln_*, and the biases these initialise to zero.
         param.add_(0.1 * torch.randn_like(param))
     if hasattr(model, "final_logits_bias"):
       model.final_logits_bias.copy_(0.1 * torch.randn_like(model.final_logits_bias))
@@ -318,3 +459,38 @@ def tiny_model(kind: str, folder: str, *, en: list[str] | None = None,
     model.generation_config._from_model_config = False  # pylint: disable=protected-access
   model.save_pretrained(folder)
   return folder
+
+
+def _encoder(kind: str, files: TokenizerFiles, labels: int | Sequence[str] | None):
+  """The model class and config of an encoder kind (see `tiny_model`)."""
+  import transformers  # pylint: disable=import-outside-toplevel
+  if labels is None:  # bert_bare: no classifier, so no labels in its config
+    names = {}
+  elif isinstance(labels, int):
+    names = {"num_labels": labels}
+  else:
+    names = {"id2label": dict(enumerate(labels)),
+             "label2id": {name: i for i, name in enumerate(labels)}}
+  sizes = dict(_ENCODER_SIZES, vocab_size=files.vocab_size, **names)
+  if kind in ("bert", "bert_bare"):
+    model_class = (transformers.BertForSequenceClassification if kind == "bert" else
+                   transformers.BertModel)
+    # As bert-base-uncased: pad 0 and no bos / eos ids ([CLS] and [SEP] are the tokenizer's).
+    return model_class, transformers.BertConfig(
+        **sizes, max_position_embeddings=64, type_vocab_size=2, pad_token_id=files.pad_id)
+  tokenizer = files.tokenizer
+  config_class, model_class = {
+      "roberta": (transformers.RobertaConfig, transformers.RobertaForSequenceClassification),
+      "xlm-roberta": (transformers.XLMRobertaConfig,
+                      transformers.XLMRobertaForSequenceClassification)}[kind]
+  # Positions count from pad + 1 (fairseq's convention), so 64 tokens need pad + 1 more
+  # rows: roberta-base's 514 for 512.
+  return model_class, config_class(
+      **sizes, max_position_embeddings=64 + tokenizer.pad_token_id + 1, type_vocab_size=1,
+      pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+      eos_token_id=tokenizer.eos_token_id)
+
+
+def _is_norm(name: str) -> bool:
+  """Whether a parameter is a layer norm's: BERT's `LayerNorm`, GPT-2's `ln_1`, `ln_f`."""
+  return "layernorm" in name.lower() or ".ln_" in f".{name}"

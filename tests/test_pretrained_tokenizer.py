@@ -1,7 +1,9 @@
-"""PretrainedTokenizer against transformers itself: T5, BART and Marian tokenizer files trained
-here on real English, German and Vietnamese sentences give the checkpoint's own ids, renumbered
-(pad 0, eos 1), and decode as transformers decodes."""
+"""PretrainedTokenizer against transformers itself: T5, BART, Marian, BERT, RoBERTa, XLM-R and
+GPT-2 tokenizer files trained here on real English, German and Vietnamese sentences give the
+checkpoint's own ids, renumbered (pad 0, eos 1; BERT's [SEP] is its eos, GPT-2's pad an added
+id), and decode as transformers decodes."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -9,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+import transformers
 
 from tests import hf_fixtures
 from tests.conftest import ROOT
@@ -51,13 +54,43 @@ def marian_files(corpus, tmp_path_factory):
                                             corpus["train"]["en"], corpus["train"]["de"])
 
 
+@pytest.fixture(scope="module")
+def bert_files(corpus, tmp_path_factory):
+  train = corpus["train"]
+  return hf_fixtures.bert_tokenizer_files(str(tmp_path_factory.mktemp("bert")),
+                                          train["en"] + train["vi"])
+
+
+@pytest.fixture(scope="module")
+def roberta_files(corpus, tmp_path_factory):
+  train = corpus["train"]
+  return hf_fixtures.roberta_tokenizer_files(str(tmp_path_factory.mktemp("roberta")),
+                                             train["en"] + train["vi"])
+
+
+@pytest.fixture(scope="module")
+def xlmr_files(corpus, tmp_path_factory):
+  train = corpus["train"]
+  return hf_fixtures.xlmr_tokenizer_files(str(tmp_path_factory.mktemp("xlmr")),
+                                          train["vi"] + train["en"])
+
+
+@pytest.fixture(scope="module")
+def gpt2_files(corpus, tmp_path_factory):
+  train = corpus["train"]
+  return hf_fixtures.gpt2_tokenizer_files(str(tmp_path_factory.mktemp("gpt2")),
+                                          train["en"] + train["vi"], vocab_size=1000)
+
+
 def _assert_matches_hf(tok, hf, texts, target=False):
-  """Every text: encode == HF ids minus EOS, renumbered; + EOS == HF ids; decode == HF's."""
+  """Every text: encode == HF ids minus EOS, renumbered; + EOS == HF ids; decode == HF's.
+  (BERT has no eos: its sequences end with [SEP].)"""
   hf_ids = [hf(text_target=t)["input_ids"] if target else hf(t)["input_ids"] for t in texts]
   encode = tok.encode_target if target else tok.encode
   batch = (tok.encode_target_batch if target else tok.encode_batch)(texts)
+  end = hf.sep_token_id if hf.eos_token_id is None else hf.eos_token_id
   for text, expected, batch_ids in zip(texts, hf_ids, batch):
-    assert expected[-1] == hf.eos_token_id
+    assert expected[-1] == end
     ids = encode(text)
     assert ids == batch_ids == tok.vocab_map.internal(expected[:-1]).tolist(), text
     assert 0 not in ids and 1 not in ids  # pad and eos are the pipeline's to add
@@ -114,6 +147,130 @@ def test_marian_encodes_sources_and_targets_with_their_own_models(marian_files, 
     hf_ids = hf(text_target=text)["input_ids"]
     assert tok.decode(tok.encode_target(text)) == hf.decode(
         hf_ids, skip_special_tokens=True, use_source_tokenizer=False)
+
+
+def test_bert_ends_with_sep_and_keeps_its_leading_cls(bert_files, corpus):
+  hf = bert_files.tokenizer
+  assert (hf.pad_token_id, hf.unk_token_id, hf.cls_token_id, hf.sep_token_id,
+          hf.mask_token_id) == (0, 1, 2, 3, 4)
+  assert hf.eos_token_id is None and hf.bos_token_id is None  # [SEP] is BERT's end token
+  for tok in (PretrainedTokenizer(bert_files.folder),
+              PretrainedTokenizer(bert_files.folder, VocabMap.create(len(hf), 0, 3))):
+    # [PAD] stays 0, [SEP] 3 -> 1 and [UNK] takes the freed id 3.
+    assert tok.to_internal([0, 1, 2, 3]) == [0, 3, 2, 1] and tok.ends_with_eos
+    assert (tok.pad_id, tok.eos_id, tok.bos_id) == (0, 3, None)
+    for texts in (corpus["test"]["en"], corpus["test"]["vi"]):
+      _assert_matches_hf(tok, hf, texts)
+  ids = tok.encode("Two dogs are playing in the snow.")
+  assert tok.id_to_piece(ids[0]) == "[CLS]" and ids[0] == 2 and 1 not in ids
+  assert tok.id_to_piece(1) == "[SEP]"
+  # Uncased: lower-cased, accents stripped, as transformers decodes it.
+  assert tok.decode(ids) == "two dogs are playing in the snow."
+  assert tok.decode(tok.encode("Hai con chó chơi.")) == "hai con cho choi."
+
+
+@pytest.mark.parametrize("name", ["roberta", "xlmr"])
+def test_roberta_and_xlm_r_keep_their_leading_bos(name, roberta_files, xlmr_files, corpus):
+  files = {"roberta": roberta_files, "xlmr": xlmr_files}[name]
+  hf = files.tokenizer
+  assert (hf.bos_token_id, hf.pad_token_id, hf.eos_token_id, hf.unk_token_id) == (0, 1, 2, 3)
+  assert hf.sep_token_id == 2 and hf.mask_token_id == len(hf) - 1
+  tok = PretrainedTokenizer(files.folder, VocabMap.create(len(hf), 1, 2))
+  assert tok.to_internal([0, 1, 2, 3]) == [2, 0, 1, 3] and tok.ends_with_eos
+  for texts in (corpus["test"]["en"], corpus["test"]["vi"]):
+    _assert_matches_hf(tok, hf, texts)
+  ids = tok.encode("Một con chó chơi trong tuyết.")
+  assert tok.id_to_piece(ids[0]) == "<s>" and ids[0] == 2
+  assert tok.decode(ids) == "Một con chó chơi trong tuyết."
+  if name == "xlmr":  # SentencePiece ids + 1, as fairseq numbers them
+    pieces = hf.convert_ids_to_tokens(hf("tuyết")["input_ids"])
+    assert pieces[0] == "<s>" and pieces[1].startswith("▁") and pieces[-1] == "</s>"
+
+
+def test_gpt2_gets_an_added_pad_and_appends_nothing(gpt2_files, corpus, tmp_path):
+  hf = gpt2_files.tokenizer
+  end = len(hf) - 1  # <|endoftext|>: bos, eos and unk at once; no pad
+  assert (hf.bos_token_id, hf.eos_token_id, hf.unk_token_id, hf.pad_token_id) == (
+      end, end, end, None)
+  tok = PretrainedTokenizer(gpt2_files.folder)
+  assert tok.vocab_map.added_pad and tok.vocab_map.checkpoint_size == len(hf)
+  assert len(tok.vocab_map.to_hf) == len(hf) + 1 and tok.vocab_size == len(hf)
+  assert (tok.pad_id, tok.eos_id) == (len(hf), end) and tok.ends_with_eos
+  assert tok.to_internal([end, len(hf)]) == [1, 0] and tok.id_to_piece(0) == "<pad>"
+  for texts in (corpus["test"]["en"], corpus["test"]["vi"], corpus["test"]["dialogues"]):
+    batch = tok.encode_batch(texts)
+    for text, batch_ids in zip(texts, batch):
+      expected = hf(text)["input_ids"]
+      ids = tok.encode(text)
+      # Nothing to strip: the ids are transformers' own, and the EOS is the pipeline's.
+      assert ids == batch_ids == tok.vocab_map.internal(expected).tolist(), text
+      assert 0 not in ids and 1 not in ids
+      with_eos = pipeline.with_eos(ids, 10_000)
+      assert tok.to_hf(with_eos) == expected + [end]
+      # Byte-level BPE loses nothing: the text comes back whole, the added pad dropped.
+      assert tok.decode(np.concatenate([with_eos, [0, 0]])) == text
+      assert tok.decode([0] + ids) == text
+  # A literal <|endoftext|> that ends a text is text, not an appended EOS: it is kept.
+  assert tok.encode("The end.<|endoftext|>")[-1] == 1
+  # The import's vocab map (pad added) is accepted; a pad the tokenizer lacks is not.
+  loaded = PretrainedTokenizer(gpt2_files.folder, VocabMap.create(len(hf), None, end))
+  assert loaded.encode("A dog.") == tok.encode("A dog.")
+  with pytest.raises(ValueError, match="has pad id none and eos id .* but the model has pad "
+                                       "5 .*not this checkpoint's"):
+    PretrainedTokenizer(gpt2_files.folder, VocabMap.create(len(hf), 5, end))
+  # save() writes tokenizer.json alone (GPT-2's file names are vocab.json and merges.txt).
+  tok.save(tmp_path / "saved")
+  again = PretrainedTokenizer.load(tmp_path / "saved", tok.vocab_map)
+  assert again.model_proto == tok.model_proto and again.encode("A dog.") == tok.encode("A dog.")
+
+
+def test_gpt2_fine_tunes_that_pad_with_eos_get_an_added_pad(gpt2_files, tmp_path):
+  folder = tmp_path / "pad_is_eos"
+  shutil.copytree(gpt2_files.folder, folder)
+  config = json.loads((folder / "tokenizer_config.json").read_text())
+  (folder / "tokenizer_config.json").write_text(
+      json.dumps(dict(config, pad_token="<|endoftext|>")))
+  hf = gpt2_files.tokenizer
+  tok = PretrainedTokenizer(folder)
+  assert tok.hf_tokenizer.pad_token_id == len(hf) - 1 == tok.eos_id
+  assert tok.vocab_map.added_pad and tok.pad_id == len(hf)
+
+
+def test_a_language_code_after_eos_is_not_an_ending_the_pipeline_makes(xlmr_files, tmp_path):
+  """mBART-cc25 style (`text </s> en_XX`): ends_with_eos is False (the import refuses it)."""
+  folder = tmp_path / "cc25"
+  folder.mkdir()
+  shutil.copy(os.path.join(xlmr_files.folder, "sentencepiece.bpe.model"), folder)
+  transformers.MBartTokenizer.from_pretrained(folder, src_lang="en_XX").save_pretrained(folder)
+  tok = PretrainedTokenizer(folder)
+  hf_ids = tok.hf_tokenizer("A dog.")["input_ids"]
+  assert tok.hf_tokenizer.convert_ids_to_tokens(hf_ids[-2:]) == ["</s>", "en_XX"]
+  assert not tok.ends_with_eos
+  assert tok.encode("A dog.") == tok.to_internal(hf_ids)  # the tail is kept, not cut
+
+
+def test_phobert_loads_its_vocab_txt_and_bpe_codes(tmp_path):
+  """PhoBERT (model_type roberta, PhobertTokenizer): fastBPE codes over word-segmented text."""
+  merges = ["H a", "Ha i</w>", "c o", "co n</w>", "c h", "t r", "tr o", "tro n", "tron g</w>",
+            "t u", "tu y", "tuy ế", "tuyế t</w>"]
+  pieces = ["Hai", "con", "ch@@", "ó", "trong", "tuyết", "."]
+  (tmp_path / "vocab.txt").write_text("".join(f"{piece} 1\n" for piece in pieces))
+  (tmp_path / "bpe.codes").write_text("".join(f"{merge} 1\n" for merge in merges))
+  (tmp_path / "config.json").write_text(json.dumps(
+      {"model_type": "roberta", "tokenizer_class": "PhobertTokenizer"}))
+  tok = PretrainedTokenizer(tmp_path)
+  hf = tok.hf_tokenizer
+  assert type(hf).__name__ == "PhobertTokenizer"
+  assert (hf.bos_token_id, hf.pad_token_id, hf.eos_token_id, hf.unk_token_id) == (0, 1, 2, 3)
+  assert tok.to_internal([0, 1, 2, 3]) == [2, 0, 1, 3] and tok.ends_with_eos
+  text = "Hai con chó trong tuyết ."
+  expected = hf(text)["input_ids"]
+  assert hf.convert_ids_to_tokens(expected) == [
+      "<s>", "Hai", "con", "ch@@", "ó", "trong", "tuyết", ".", "</s>"]
+  assert pipeline.with_eos(tok.encode(text), 100).tolist() == tok.to_internal(expected)
+  assert tok.decode(tok.encode(text)) == text
+  unknown = hf("con mèo")["input_ids"]  # m, è, o: no piece
+  assert hf.unk_token_id in unknown and tok.encode("con mèo") == tok.to_internal(unknown[:-1])
 
 
 def test_model_proto_survives_save_and_load_and_tells_tokenizers_apart(

@@ -124,6 +124,12 @@ def test_classification_trains_evaluates_and_predicts_label_names(tmp_path):
   assert result["accuracy"] == 1.0  # one word decides the label: learnt in 60 steps
   evaluated = commands.run_evaluate(str(tmp_path / "run"))
   assert evaluated["split"] == "test" and evaluated["accuracy"] == 1.0
+  # A classifier decodes nothing: no decoding settings in its results or folder name.
+  assert "decoding" not in evaluated
+  assert evaluated["outputs"] == str(tmp_path / "run" / "eval" / "step_60" / "test")
+  saved = json.loads((tmp_path / "run" / "eval" / "step_60" / "test" / "metrics.json")
+                     .read_text())
+  assert saved["accuracy"] == 1.0 and "decoding_config" not in saved
   predictor = predict.Predictor.from_workdir(str(tmp_path / "run"))
   assert predictor.predict(["the film was great and long", "", "the film was dull"]) == [
       "positive", "", "negative"]

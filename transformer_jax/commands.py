@@ -43,7 +43,8 @@ def run_evaluate(workdir: str | None, step: int | str | None = None, split: str 
   `split`, decoded with
   `config.decoding` (default: the saved config's).
 
-  Writes WORKDIR/eval/step_N/SPLIT_DECODING/ with metrics.json and, one line per example in
+  Writes WORKDIR/eval/step_N/SPLIT_DECODING/ (a classifier, which decodes nothing:
+  SPLIT/, and no decoding in the result) with metrics.json and, one line per example in
   order, hypotheses.txt, sources.txt and references.txt; logs the metrics to TensorBoard in
   the run WORKDIR/eval_SPLIT.
 
@@ -64,9 +65,12 @@ def run_evaluate(workdir: str | None, step: int | str | None = None, split: str 
                                    predictor.layout)
   result, rows = evaluator.evaluate_with_outputs(predictor.device_params, encoded[split],
                                                  examples[split])
+  # A classifier decodes nothing: its results name no decoding settings.
+  decoding = config.decoding if predictor.family.generates_text else None
   result.update(step=predictor.step, checkpoint="best" if step == "best" else "step",
                 split=split, examples=len(encoded[split]),
-                decoding=config.decoding.method, average_last=average_last)
+                **({} if decoding is None else {"decoding": decoding.method}),
+                average_last=average_last)
   if "bleu" in result or config.task == "multitask":
     result["bleu_signature"] = metrics.bleu_signature()
   if config.get("pretrained") and predictor.step == 0:
@@ -75,10 +79,13 @@ def run_evaluate(workdir: str | None, step: int | str | None = None, split: str 
     logging.info("Evaluated %s on %s: %s", config.pretrained, split, result)
     return result
   checkpoint_dir = f"step_{predictor.step}" if "pretrained" not in result else "pretrained"
-  outputs_dir = (workdir_lib.path(workdir) / "eval" / checkpoint_dir /
-                 f"{split}_{decoding_tag(config.decoding, average_last)}")
+  if decoding is not None:
+    tag = f"_{decoding_tag(decoding, average_last)}"
+  else:
+    tag = f"_avg{average_last}" if average_last > 1 else ""
+  outputs_dir = workdir_lib.path(workdir) / "eval" / checkpoint_dir / f"{split}{tag}"
   result["outputs"] = os.fspath(outputs_dir)
-  _write_outputs(outputs_dir, result, config.decoding, rows)
+  _write_outputs(outputs_dir, result, decoding, rows)
   writer = summary_writer.EventFileWriter(os.fspath(workdir_lib.path(workdir) / f"eval_{split}"))
   writer.write_scalars(predictor.step, {k: v for k, v in result.items()
                                         if isinstance(v, (int, float)) and k != "step"})
@@ -87,10 +94,12 @@ def run_evaluate(workdir: str | None, step: int | str | None = None, split: str 
   return result
 
 
-def _write_outputs(folder, result: dict, decoding_config: ml_collections.ConfigDict,
+def _write_outputs(folder, result: dict, decoding_config: ml_collections.ConfigDict | None,
                    rows: list[dict]) -> None:
   folder.mkdir(parents=True, exist_ok=True)
-  record = dict(result, decoding_config=decoding_config.to_dict())
+  record = dict(result)
+  if decoding_config is not None:  # None: a classifier, which decodes nothing
+    record["decoding_config"] = decoding_config.to_dict()
   (folder / "metrics.json").write_text(json.dumps(record, indent=2) + "\n")
   for name, key in (("hypotheses.txt", "output"), ("sources.txt", "source"),
                     ("references.txt", "reference")):
@@ -192,6 +201,7 @@ def run_export(workdir: str, output: str, step: int | str | None = None,
                      "that format.")
   predictor = predict.Predictor.from_workdir(workdir, step, average_last, config)
   params = predictor.layout.checkpoint_state(predictor.device_params)
-  written = export.export(params, predictor.family.model_config, workdir, output)
+  written = export.export(params, predictor.family.model_config, workdir, output,
+                          label_names=config.label_names)
   logging.info("Exported step %s of %s to %s.", predictor.step, workdir, output)
   return written

@@ -35,7 +35,7 @@ CHOICES = {
     "model.attention_implementation": ("reference", "xla", "cudnn", "auto"),
     "prng_impl": ("threefry2x32", "rbg", "unsafe_rbg"),
     "model.remat_policy": ("full", "dots", "dots_no_batch"),
-    "model.pooling": ("mean", "first", "attention"),
+    "model.pooling": ("mean", "first", "attention", "cls_pooler", "cls_head"),
     "checkpoint_best_mode": ("max", "min"),
 }
 
@@ -49,6 +49,7 @@ RANGES = {
     "label_smoothing": (0, 1, True, False),
     "weight_decay": (0, None, True, True),
     "grad_clip_norm": (0, None, True, True),
+    "layer_decay": (0, 1, False, True),
     "prefetch_batches": (0, None, True, True),
     "data_shards": (0, None, True, True),
     "log_every_steps": (1, None, True, True),
@@ -84,6 +85,7 @@ RANGES = {
     "model.num_classes": (2, None, True, True),
     "model.relative_attention_num_buckets": (4, None, True, True),
     "model.relative_attention_max_distance": (1, None, True, True),
+    "model.num_token_types": (0, None, True, True),
 }
 
 
@@ -152,11 +154,6 @@ def _cross_key_problems(config: ml_collections.ConfigDict,
     found.append(f"config.model.attention_implementation='cudnn' needs a head dimension "
                  f"(qkv_dim / num_heads = {head_dim}) that is a multiple of 8 and at most 256 "
                  "(cuDNN's flash attention kernels); use 'xla'")
-  if config.pretrained and families.name(config) != "encoder_decoder":
-    found.append("config.pretrained imports encoder-decoder checkpoints (T5, BART, Marian): "
-                 "use it with a translation, summarization or multitask config and "
-                 "config.architecture='encoder_decoder' (classification: T5's text-to-text "
-                 "form, see configs/t5_multitask.py)")
   if (m.position_embedding == "relative"
       and m.relative_attention_max_distance <= m.relative_attention_num_buckets // 2):
     found.append(f"config.model.relative_attention_max_distance="

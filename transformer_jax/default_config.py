@@ -74,11 +74,15 @@ def get_config() -> ml_collections.ConfigDict:
   config.mixture = ml_collections.ConfigDict()
 
   # Start from a pretrained Hugging Face checkpoint: a folder (config.json, model.safetensors,
-  # tokenizer files) or a hub name such as 'google/flan-t5-small' (T5 / mT5 / UMT5, BART /
-  # mBART, Marian). It fixes config.model's architecture keys and the tokenizer (kept in
-  # WORKDIR/pretrained/); dropout, dtype, lengths and everything else stay this config's.
-  # '' = train from random weights.
+  # tokenizer files) or a hub name such as 'google/flan-t5-small' (encoder-decoders: T5 / mT5
+  # / UMT5, BART / mBART, Marian; classifiers: BERT, RoBERTa, XLM-R; decoder-only: GPT-2). It
+  # fixes config.model's architecture keys and the tokenizer (kept in WORKDIR/pretrained/);
+  # dropout, dtype, lengths and everything else stay this config's. '' = train from random
+  # weights.
   config.pretrained = ""
+  # A classifier checkpoint's head is kept when it has config.model.num_classes classes; True
+  # trains a new one (from the seed) for this config's classes instead.
+  config.reset_head = False
   # SentencePiece: trained on a sample of the training split and saved in the workdir, or an
   # existing .model file given by `path` (copied into the workdir).
   config.tokenizer = ml_collections.ConfigDict(dict(
@@ -111,6 +115,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.weight_decay = 0.0
   # Clip gradients to this global norm; 0 = no clipping.
   config.grad_clip_norm = 0.0
+  # Layer-wise learning-rate decay for fine-tuning (BERT / ELECTRA): the output layers learn
+  # at the full rate, each layer below at this times the rate above it, the embeddings
+  # lowest (see transformer_jax/layer_decay.py); 1.0 = off, e.g. 0.8 to fine-tune.
+  config.layer_decay = 1.0
   # Seed for initialisation, data order and dropout.
   config.seed = 0
   # Seed for the data itself: held-out splits drawn at load time (config.local.format

@@ -15,22 +15,26 @@ Array = jax.Array
 
 
 def smoothed_cross_entropy(logits: Array, targets: Array, label_smoothing: float = 0.0, *,
-                           also_unsmoothed: bool = False):
+                           also_unsmoothed: bool = False, padding_masked: bool = False):
   """Per-token cross-entropy [b, len] against label-smoothed one-hot targets, in float32.
 
   The smoothed distribution puts 1 - label_smoothing on the target and spreads the rest over
   the other classes (flax examples/wmt's convention); its entropy is subtracted so that a
-  perfect prediction scores 0. With `also_unsmoothed`, also returns the plain
-  -log p[target] (what the training step reports).
+  perfect prediction scores 0. `padding_masked`: the model masks class 0 (padding:
+  `mask_padding_logit`), so nothing is spread onto it. With `also_unsmoothed`, also returns
+  the plain -log p[target] (what the training step reports).
   """
   logits = logits.astype(jnp.float32)
-  vocab_size = logits.shape[-1]
   unsmoothed = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
   if label_smoothing > 0:
+    vocab_size = logits.shape[-1]
+    others = vocab_size - 1 - padding_masked  # the classes that share label_smoothing
     confidence = 1.0 - label_smoothing
-    low_confidence = label_smoothing / (vocab_size - 1)
-    soft_targets = optax.smooth_labels(jax.nn.one_hot(targets, vocab_size),
-                                       label_smoothing * vocab_size / (vocab_size - 1))
+    low_confidence = label_smoothing / others
+    one_hot = jax.nn.one_hot(targets, vocab_size)
+    soft_targets = one_hot * confidence + (1.0 - one_hot) * low_confidence
+    if padding_masked:
+      soft_targets = soft_targets.at[..., 0].set(0.0)
     cross_entropy = optax.softmax_cross_entropy(logits, soft_targets) + (
         confidence * math.log(confidence) +
         label_smoothing * math.log(low_confidence))  # minus the smoothed targets' entropy

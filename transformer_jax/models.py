@@ -23,6 +23,9 @@ from transformer_jax import attention
 from transformer_jax import layers
 
 Array = jax.Array
+# The logit of a masked padding class (`mask_padding_logit`): far below any real logit, yet
+# finite, so that a softmax or a loss at weight-0 positions stays finite.
+PADDING_LOGIT = -1e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,13 +68,19 @@ class TransformerConfig:
   tie_output: bool = True  # output layer = transposed target embedding
   output_rescale: bool = False  # decoder states x emb_dim^-0.5 before the output (T5 v1.0)
   logits_bias: bool = False  # a bias on the tied output's logits (BART / Marian)
+  # The output never predicts id 0 (padding): for checkpoints without a pad token of their
+  # own (GPT-2), whose pad row is added on import and must not compete in the softmax.
+  mask_padding_logit: bool = False
   cross_attention_score: str = "dot_product"  # or 'multiplicative', 'additive'
   attention_implementation: str = "reference"  # or 'xla', 'cudnn', 'auto' (jax.nn)
   remat: bool = False  # recompute each layer's activations in the backward pass
   remat_policy: str = "full"  # with remat: what is kept (see REMAT_POLICIES)
   bos_id: int = 2  # first decoder input (the tokenizer reserves it; imports: decoder start)
   num_classes: int = 2  # classifier outputs
-  pooling: str = "mean"  # classifier: 'mean' (non-padding), 'first', 'attention'
+  # classifier: 'mean' (non-padding), 'first', 'attention', or a dense + tanh over the first
+  # token: 'cls_pooler' (BERT's pooler) or 'cls_head' (RoBERTa's head: dropout before it too)
+  pooling: str = "mean"
+  num_token_types: int = 0  # classifier: learned token-type rows (BERT); inputs are type 0
 
   def replace(self, **changes) -> "TransformerConfig":
     return dataclasses.replace(self, **changes)
@@ -371,10 +380,13 @@ def _output_logits(module: nn.Module, embedding: TokenEmbedding, y: Array) -> Ar
   if c.output_rescale:
     y = y * jnp.float32(c.emb_dim ** -0.5)
   if not c.tie_output:
-    return module.logits_dense(y)
-  logits = embedding.attend(y)  # [b, len, vocab]
-  if c.logits_bias:
-    logits = logits + module.logits_bias
+    logits = module.logits_dense(y)
+  else:
+    logits = embedding.attend(y)  # [b, len, vocab]
+    if c.logits_bias:
+      logits = logits + module.logits_bias
+  if c.mask_padding_logit:
+    logits = logits.at[..., 0].set(PADDING_LOGIT)
   return logits
 
 
@@ -518,26 +530,43 @@ class EncoderClassifier(nn.Module):
                deterministic: bool = False) -> Array:
     c = self.config
     mask = self_attention_mask(inputs, inputs_segmentation, causal=False)
-    x = _positions(c, "positions")(TokenEmbedding(c, name="embedding")(inputs), inputs_position)
+    x = TokenEmbedding(c, name="embedding")(inputs)
+    if c.num_token_types:
+      # Every input is one segment, type 0; the other rows are kept for export.
+      types = self.param("token_types", nn.with_logical_partitioning(
+          nn.initializers.normal(stddev=0.02), (None, "embed")), (c.num_token_types, c.emb_dim))
+      x = x + types[0].astype(x.dtype)
+    x = _positions(c, "positions")(x, inputs_position)
     x = _embedding_norm(c, "embedding_norm")(x)
     x = layers.Dropout(c.dropout_rate)(x, deterministic=deterministic)
     x = EncoderStack(c, name="encoder")(x, mask, deterministic=deterministic,
                                         positions=inputs_position)  # [b, len, emb]
-    valid = (inputs != 0)[..., None]  # [b, len, 1]
-    if c.pooling == "mean":
-      pooled = jnp.sum(jnp.where(valid, x, 0), axis=1) / jnp.maximum(jnp.sum(valid, axis=1), 1)
-    elif c.pooling == "first":
-      pooled = x[:, 0]
-    elif c.pooling == "attention":
-      # A learned query scores every token; padding gets no weight.
-      scores = nn.Dense(1, dtype=c.dtype, name="pooling_query")(x)  # [b, len, 1]
-      scores = jnp.where(valid, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-      pooled = jnp.sum(jax.nn.softmax(scores, axis=1).astype(x.dtype) * x, axis=1)
-    else:
-      raise ValueError(f"Unknown pooling {c.pooling!r}: use 'mean', 'first' or 'attention'.")
+    pooled = _pool(c, x, inputs, deterministic)
     pooled = layers.Dropout(c.dropout_rate)(pooled, deterministic=deterministic)
     return nn.Dense(c.num_classes, dtype=jnp.float32, name="head")(
         pooled.astype(jnp.float32))  # [b, num_classes]
+
+
+def _pool(c: TransformerConfig, x: Array, inputs: Array, deterministic: bool) -> Array:
+  """[b, len, emb] encoder outputs -> [b, emb], by `c.pooling` (inside the classifier's
+  compact call, which owns the parameters made here)."""
+  valid = (inputs != 0)[..., None]  # [b, len, 1]
+  if c.pooling == "mean":
+    return jnp.sum(jnp.where(valid, x, 0), axis=1) / jnp.maximum(jnp.sum(valid, axis=1), 1)
+  if c.pooling == "first":
+    return x[:, 0]
+  if c.pooling in ("cls_pooler", "cls_head"):
+    first = x[:, 0]
+    if c.pooling == "cls_head":
+      first = layers.Dropout(c.dropout_rate)(first, deterministic=deterministic)
+    return jnp.tanh(nn.Dense(c.emb_dim, dtype=c.dtype, name="pooler")(first))
+  if c.pooling == "attention":
+    # A learned query scores every token; padding gets no weight.
+    scores = nn.Dense(1, dtype=c.dtype, name="pooling_query")(x)  # [b, len, 1]
+    scores = jnp.where(valid, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    return jnp.sum(jax.nn.softmax(scores, axis=1).astype(x.dtype) * x, axis=1)
+  raise ValueError(f"Unknown pooling {c.pooling!r}: use 'mean', 'first', 'attention', "
+                   "'cls_pooler' or 'cls_head'.")
 
 
 def attention_weights(model: nn.Module, params, *args, **kwargs) -> dict[str, Array]:

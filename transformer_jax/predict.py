@@ -80,19 +80,26 @@ class Predictor:
     defaults = default_config.get_config()
     config = ml_collections.ConfigDict((config or defaults).to_dict())
     lengths = lambda c: (c.max_source_length, c.max_target_length, c.model.max_len)
-    if lengths(config) == lengths(defaults):  # none chosen: as long as the checkpoint allows
+    default_lengths = lengths(config) == lengths(defaults)
+    if default_lengths:  # none chosen: as long as the checkpoint allows
       config.model.max_len = checkpoint.fields.get("max_len", 512)
-      run_config.serving_lengths(config)
     if given_keys is None:
       given_keys = [f"decoding.{k}" for k, v in config.decoding.items()
                     if defaults.decoding.get(k) != v]
     config.pretrained = name_or_path
     run_config.apply(config, checkpoint, serving=True, given_keys=set(given_keys))
+    if default_lengths:
+      run_config.serving_lengths(config)  # after `apply`: the checkpoint's family decides
     config_validation.validate(config)
     tokenizer = run_config.tokenizer(checkpoint.folder, checkpoint.vocab)
     boxed = jax.eval_shape(functools.partial(families.get(config).init_params, boxed=True),
                            jax.random.PRNGKey(0))
     params = checkpoint_lib.read_params(checkpoint, parallel.unbox(boxed))
+    missing = checkpoint_lib.missing_params(params, parallel.unbox(boxed))
+    if missing:
+      raise checkpoint_lib.PretrainedError(
+          f"{checkpoint.folder} lacks {jax.tree_util.keystr(missing[0])} (and "
+          f"{len(missing) - 1} more parameters): fine-tune it before serving it.")
     return cls(config, tokenizer, params, step=0,
                layout=parallel.make_layout(config, fit_devices=True))
 

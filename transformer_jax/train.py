@@ -23,6 +23,7 @@ from transformer_jax import config_validation
 from transformer_jax import evaluation
 from transformer_jax import families
 from transformer_jax import flops
+from transformer_jax import layer_decay
 from transformer_jax import metrics
 from transformer_jax import parallel
 from transformer_jax import preemption
@@ -51,15 +52,21 @@ def rsqrt_schedule(peak_learning_rate: float, warmup_steps: int) -> optax.Schedu
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """Adam (0.9, 0.98, 1e-9) on the rsqrt schedule; optional clipping and weight decay."""
+  """Adam (0.9, 0.98, 1e-9) on the rsqrt schedule; optional clipping, weight decay and
+  layer-wise learning-rate decay (`config.layer_decay`, see layer_decay.py)."""
   schedule = rsqrt_schedule(config.learning_rate, config.warmup_steps)
   if config.weight_decay > 0:
     adam = optax.adamw(schedule, b1=0.9, b2=0.98, eps=1e-9, weight_decay=config.weight_decay)
   else:
     adam = optax.adam(schedule, b1=0.9, b2=0.98, eps=1e-9)
+  parts = [adam]
   if config.grad_clip_norm > 0:
-    return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), adam)
-  return adam
+    parts.insert(0, optax.clip_by_global_norm(config.grad_clip_norm))
+  # Last, so that it scales whole updates (Adam's and AdamW's decoupled decay term). At 1.0
+  # nothing is added: the optimizer state keeps the structure older checkpoints hold.
+  if config.get("layer_decay", 1.0) < 1.0:
+    parts.append(layer_decay.scale_by_layer_decay(config.layer_decay))
+  return parts[0] if len(parts) == 1 else optax.chain(*parts)
 
 
 def _whole_data_state(state: dict) -> dict:
@@ -95,8 +102,9 @@ def train_step(state: train_state.TrainState, batch, rng, *, family: families.Fa
     def loss_fn(params):
       logits = family.forward(params, micro_batch, deterministic=False,
                               rngs={"dropout": dropout_rng})
-      loss, unsmoothed = metrics.smoothed_cross_entropy(logits, labels, label_smoothing,
-                                                        also_unsmoothed=True)
+      loss, unsmoothed = metrics.smoothed_cross_entropy(
+          logits, labels, label_smoothing, also_unsmoothed=True,
+          padding_masked=family.model_config.mask_padding_logit)
       return jnp.sum(loss * weights) / denominator, (logits, unsmoothed)
 
     (_, (logits, unsmoothed)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -343,11 +351,20 @@ def _initial_state(config: ml_collections.ConfigDict, family: families.Family, l
 def _pretrained_params(config: ml_collections.ConfigDict, family: families.Family, layout,
                        rng):
   """The weights of `config.pretrained`, placed as the layout holds parameters (sharded under
-  jit: each device receives only its part)."""
+  jit: each device receives only its part). Parameters the checkpoint does not hold (a bare
+  encoder's classification head; all of it with config.reset_head) start as a from-scratch
+  run's would, from the seed's `rng`."""
   from transformer_jax.pretrained import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
   checkpoint = checkpoint_lib.open_checkpoint(config.pretrained)
   boxed = jax.eval_shape(functools.partial(family.init_params, boxed=True), rng)
-  params = checkpoint_lib.read_params(checkpoint, parallel.unbox(boxed))
+  expected = parallel.unbox(boxed)
+  params = checkpoint_lib.read_params(checkpoint, expected, reset_head=config.reset_head)
+  missing = checkpoint_lib.missing_params(params, expected)
+  if missing:  # a classifier's head: the whole model is initialised once, on one device
+    params = checkpoint_lib.complete_params(params, jax.device_get(
+        jax.jit(family.init_params)(rng)))
+    logging.info("Model: %s start from the seed (not in the checkpoint).",
+                 ", ".join(jax.tree_util.keystr(path) for path in missing))
   logging.info("Model: weights of %s (%s) imported.", config.pretrained, checkpoint.model_type)
   # pmap: host arrays, replicated on every device with the rest of the state (place_state).
   return layout.place_params(params, boxed) if layout.mode == "jit" else params

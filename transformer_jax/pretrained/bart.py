@@ -13,6 +13,7 @@ from transformer_jax.pretrained.mapping import (Entry, attention_entries, config
                                                dense_entries, norm_entries)
 
 MODEL_TYPES = ("bart", "mbart")
+FAMILY = "encoder_decoder"
 EMBEDDING_TENSOR, OUTPUT_TENSOR = "model.shared.weight", "lm_head.weight"
 POSITION_OFFSET = 2  # BartLearnedPositionalEmbedding reads row position + 2
 _ATTENTION = dict(q="q_proj", k="k_proj", v="v_proj", o="out_proj")
@@ -66,9 +67,11 @@ def special_ids(hf: dict) -> tuple[int, int]:
   return config_value(hf, "pad_token_id", 1), config_value(hf, "eos_token_id", 2)
 
 
-def weight_table(hf: dict, fields: dict, *, learned_positions: bool = True) -> list[Entry]:
-  """Every parameter of our EncoderDecoder and the checkpoint tensors it comes from."""
-  del hf
+def weight_table(hf: dict, fields: dict, names=None, *,
+                 learned_positions: bool = True) -> list[Entry]:
+  """Every parameter of our EncoderDecoder and the checkpoint tensors it comes from (one
+  layout whatever the checkpoint's tensor `names`)."""
+  del hf, names
   if fields["share_embeddings"]:
     table = [Entry(("shared_embedding", "embedding", "embedding"), (EMBEDDING_TENSOR,),
                    "vocab_rows")]

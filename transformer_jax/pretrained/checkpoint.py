@@ -5,6 +5,11 @@
 them; `read_params(checkpoint)` reads model.safetensors (one file or an indexed set of
 shards) in the safetensors format into numpy, a few tensors at a time, and returns this project's
 parameter tree (float32, whatever the file's dtype). No torch is needed.
+
+Each architecture module (t5.py, bart.py, marian.py, bert.py, gpt2.py) offers MODEL_TYPES, the
+FAMILY it trains as, EMBEDDING_TENSOR / OUTPUT_TENSOR (None: no LM output), `model_fields`,
+`special_ids` and `weight_table`; classifiers add `head_tensors`, and `complete_config`
+where config.json alone does not tell the special ids.
 """
 
 from __future__ import annotations
@@ -15,21 +20,22 @@ import json
 import os
 from types import ModuleType
 
+import jax
 import ml_dtypes
 import numpy as np
 
 
 from transformer_jax import checkpoints
 from transformer_jax.pretrained import bart
+from transformer_jax.pretrained import bert
+from transformer_jax.pretrained import gpt2
 from transformer_jax.pretrained import mapping
 from transformer_jax.pretrained import marian
-
 from transformer_jax.pretrained import t5
 from transformer_jax.pretrained import vocab as vocab_lib
 
 ARCHITECTURES: dict[str, ModuleType] = {
-    **{name: t5 for name in t5.MODEL_TYPES}, **{name: bart for name in bart.MODEL_TYPES},
-    **{name: marian for name in marian.MODEL_TYPES}}
+    name: module for module in (t5, bart, marian, bert, gpt2) for name in module.MODEL_TYPES}
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 # What config.json held for generation before generation_config.json existed.
@@ -51,6 +57,8 @@ class Checkpoint:
   generation_config: dict
   fields: dict  # models.TransformerConfig fields
   vocab: vocab_lib.VocabMap
+  # The weights' tensor names; None where only the config is known (a workdir's copy).
+  tensor_names: frozenset[str] | None = None
 
   @property
   def model_type(self) -> str:
@@ -59,6 +67,25 @@ class Checkpoint:
   @property
   def architecture(self) -> ModuleType:
     return ARCHITECTURES[self.model_type]
+
+  @property
+  def family(self) -> str:
+    """The model family it trains as (families.NAMES)."""
+    return self.architecture.FAMILY
+
+  @property
+  def has_head(self) -> bool | None:
+    """A classifier's: whether the weights hold a classification head (None: unknown)."""
+    if self.tensor_names is None:
+      return None
+    return all(name in self.tensor_names for name in self.architecture.head_tensors(
+        self.hf_config))
+
+  @property
+  def label_names(self) -> list[str]:
+    """A classification head's label names, in class order (config.json's id2label)."""
+    id2label = self.hf_config.get("id2label") or {}
+    return [str(id2label[key]) for key in sorted(id2label, key=int)]
 
   def shapes(self) -> mapping.Shapes:
     f = self.fields
@@ -134,11 +161,19 @@ def open_checkpoint(name_or_path: str) -> Checkpoint:
     raise PretrainedError(f"model_type {model_type!r} of {name_or_path} is not supported; "
                           f"supported: {', '.join(sorted(ARCHITECTURES))}.")
   _check_weights(folder)
+  module = ARCHITECTURES[model_type]
+  if hasattr(module, "complete_config"):
+    try:
+      hf_config = module.complete_config(hf_config, folder)
+    except ValueError as e:
+      raise PretrainedError(f"{folder}: {e}.") from None
+  tensors = _Tensors(folder)
   return describe(folder, hf_config, _read_json(folder, "generation_config.json"),
-                  tied=_is_tied(folder, ARCHITECTURES[model_type]))
+                  tied=_is_tied(tensors, module), tensor_names=frozenset(tensors.names))
 
 
-def describe(folder: str, hf_config: dict, generation_config: dict, tied: bool) -> Checkpoint:
+def describe(folder: str, hf_config: dict, generation_config: dict, tied: bool,
+             tensor_names: frozenset[str] | None = None) -> Checkpoint:
   """The Checkpoint of a config.json and generation_config.json ({} where there is none)."""
   module = ARCHITECTURES[hf_config["model_type"]]
   try:
@@ -146,6 +181,8 @@ def describe(folder: str, hf_config: dict, generation_config: dict, tied: bool) 
   except KeyError as e:
     raise PretrainedError(f"config.json of {folder} has no {e}; it is not a complete "
                           f"{hf_config['model_type']} config.") from None
+  except ValueError as e:
+    raise PretrainedError(f"{folder}: {e}.") from None
   if not generation_config:  # older checkpoints keep generation settings in config.json
     generation_config = {k: v for k, v in hf_config.items() if k in GENERATION_KEYS}
   # transformers starts decoding from the generation config's start token where it has one.
@@ -153,7 +190,7 @@ def describe(folder: str, hf_config: dict, generation_config: dict, tied: bool) 
     fields["bos_id"] = generation_config["decoder_start_token_id"]
   vocab = vocab_map(hf_config)
   fields["bos_id"] = int(vocab.internal(fields["bos_id"]))  # the decoder start
-  return Checkpoint(folder, hf_config, generation_config, fields, vocab)
+  return Checkpoint(folder, hf_config, generation_config, fields, vocab, tensor_names)
 
 
 def vocab_map(hf_config: dict) -> vocab_lib.VocabMap:
@@ -196,6 +233,10 @@ class _Tensors:
   def __contains__(self, name: str) -> bool:
     return name in self._where
 
+  @property
+  def names(self) -> list[str]:
+    return list(self._where)
+
   def __getitem__(self, name: str) -> np.ndarray:
     if name not in self._where:
       raise PretrainedError(f"The checkpoint has no tensor {name}: the weights do not match "
@@ -212,21 +253,27 @@ class _Tensors:
     return array.reshape(info["shape"])
 
 
-def _is_tied(folder: str, module: ModuleType) -> bool:
+def _is_tied(tensors: _Tensors, module: ModuleType) -> bool:
   """Whether the output layer is the token embedding: no output tensor of its own, or one
   equal to the embedding (what transformers ties on load)."""
-  tensors = _Tensors(folder)
   output, embedding = module.OUTPUT_TENSOR, module.EMBEDDING_TENSOR
-  if output not in tensors:
+  if output is None or output not in tensors:
     return True
   return embedding in tensors and np.array_equal(tensors[output], tensors[embedding])
 
 
-def read_params(checkpoint: Checkpoint, expected=None) -> dict:
+def read_params(checkpoint: Checkpoint, expected=None, *, reset_head: bool = False) -> dict:
   """This project's parameter tree (numpy float32) of the checkpoint's weights; checked
-  against `expected` (the model's parameter shapes, e.g. from `jax.eval_shape`) if given."""
+  against `expected` (the model's parameter shapes, e.g. from `jax.eval_shape`) if given.
+
+  The tree may lack parameters the checkpoint does not hold (a bare encoder's classification
+  head, or with `reset_head` a head that is to be trained anew): `missing_params` lists them.
+  """
   tensors = _Tensors(checkpoint.folder)
-  table = checkpoint.architecture.weight_table(checkpoint.hf_config, checkpoint.fields)
+  table = checkpoint.architecture.weight_table(checkpoint.hf_config, checkpoint.fields,
+                                               frozenset(tensors.names))
+  if reset_head:
+    table = [entry for entry in table if entry.path[0] != "head"]
   try:
     params = mapping.build_params(table, tensors.__getitem__, checkpoint.shapes())
   except ValueError as e:  # a reshape of a tensor of another size
@@ -239,8 +286,33 @@ def read_params(checkpoint: Checkpoint, expected=None) -> dict:
   return params
 
 
+def missing_params(params: dict, expected) -> list[tuple]:
+  """The key paths of `expected`'s leaves that `params` (from `read_params`) lacks."""
+  have = {path for path, _ in jax.tree_util.tree_leaves_with_path(params)}
+  return [path for path, _ in jax.tree_util.tree_leaves_with_path(expected)
+          if path not in have]
+
+
+def complete_params(params: dict, fresh: dict) -> dict:
+  """`params` with the leaves it lacks taken from `fresh`, a whole initialised tree."""
+
+  def take(path, fresh_leaf):
+    node = params
+    for key in path:
+      if key.key not in node:
+        return np.asarray(fresh_leaf)
+      node = node[key.key]
+    return node
+
+  return jax.tree_util.tree_map_with_path(take, fresh)
+
+
 def _check_shapes(params: dict, expected, folder: str) -> None:
-  problems = checkpoints.shape_differences(params, expected, "checkpoint")
+  # Leaves the checkpoint does not hold start fresh (see `missing_params`); those it holds
+  # must be the model's.
+  missing = {jax.tree_util.keystr(path) for path in missing_params(params, expected)}
+  problems = [line for line in checkpoints.shape_differences(params, expected, "checkpoint")
+              if line.partition(": ")[0] not in missing]
   if problems:
     raise PretrainedError(f"The weights of {folder} do not fit the model its config describes "
                           f"({len(problems)} differences, e.g. {'; '.join(problems[:3])}); "

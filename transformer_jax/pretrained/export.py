@@ -1,10 +1,13 @@
 """A model trained from a pretrained checkpoint, written back as a Hugging Face folder:
 config.json, model.safetensors, generation_config.json and the tokenizer files, which
-`transformers` loads (in PyTorch or anything else that reads the format)."""
+`transformers` loads (in PyTorch or anything else that reads the format). A classifier is
+written as a ...ForSequenceClassification with the run's label names."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from typing import Sequence
 
 from transformer_jax import models
 from transformer_jax import workdir as workdir_lib
@@ -13,9 +16,10 @@ from transformer_jax.pretrained import mapping
 from transformer_jax.pretrained import run_config
 
 
-def export(params, model_config: models.TransformerConfig, workdir: str, output: str) -> list[str]:
-  """Writes the HF folder `output` for `params` of a workdir trained from a checkpoint;
-  returns the names written."""
+def export(params, model_config: models.TransformerConfig, workdir: str, output: str,
+           label_names: Sequence[str] = ()) -> list[str]:
+  """Writes the HF folder `output` for `params` of a workdir trained from a checkpoint (a
+  classifier's `label_names` in class order); returns the names written."""
   files = run_config.files_dir(workdir)
   if not run_config.saved(workdir):
     raise ValueError(f"{workdir} was not trained from a pretrained checkpoint (no "
@@ -34,6 +38,16 @@ def export(params, model_config: models.TransformerConfig, workdir: str, output:
                            save(tensors, metadata={"format": "pt"}))
   written = [checkpoint_lib.WEIGHTS]
   for path in files.iterdir():
-    workdir_lib.write_atomic(target / path.name, path.read_bytes())
+    data = path.read_bytes()
+    if path.name == "config.json" and module.FAMILY == "encoder_classifier":
+      data = json.dumps(_classifier_config(hf_config, module, label_names), indent=2).encode()
+    workdir_lib.write_atomic(target / path.name, data)
     written.append(path.name)
   return sorted(written)
+
+
+def _classifier_config(hf_config: dict, module, label_names: Sequence[str]) -> dict:
+  """config.json of the sequence classifier the export writes: its head's labels."""
+  return dict(hf_config, architectures=[module.ARCHITECTURES[hf_config["model_type"]]],
+              id2label={str(i): name for i, name in enumerate(label_names)},
+              label2id={name: i for i, name in enumerate(label_names)})

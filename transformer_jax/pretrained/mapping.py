@@ -37,7 +37,10 @@ class Entry:
     'vocab_rows' an embedding [vocab, emb], rows renumbered (vocab.VocabMap)
     'vocab_dense' an output Linear weight [vocab, emb] -> kernel [emb, vocab], renumbered
     'vocab_bias' a logits bias [1, vocab] (or [vocab]) -> [vocab], renumbered
-    'offset_rows' learned positions stored `offset` rows late (BART) -> rows from 0
+    'offset_rows' learned positions stored `offset` rows late (BART, RoBERTa) -> rows from 0
+    'fused_in'   a Conv1D weight [emb, parts * h * d] (GPT-2's c_attn) -> [emb, parts, h, d]
+    'fused_bias' its bias [parts * h * d] -> [parts, h, d]
+    'fused_out'  a Conv1D output weight [h * d, emb] -> [h, d, emb]
   """
   path: tuple[str, ...]
   hf: tuple[str, ...]
@@ -88,6 +91,12 @@ def to_ours(entry: Entry, arrays: list[np.ndarray], s: Shapes) -> np.ndarray:
     return s.vocab.rows_to_internal(arrays[0].reshape(-1))
   if k == "offset_rows":
     return arrays[0][entry.offset:]
+  if k == "fused_in":
+    return arrays[0].reshape(arrays[0].shape[0], -1, s.num_heads, s.head_dim)
+  if k == "fused_bias":
+    return arrays[0].reshape(-1, s.num_heads, s.head_dim)
+  if k == "fused_out":
+    return arrays[0].reshape(s.num_heads, s.head_dim, -1)
   raise ValueError(f"Unknown conversion {k!r}.")
 
 
@@ -114,6 +123,12 @@ def to_hf(entry: Entry, value: np.ndarray, s: Shapes) -> list[np.ndarray]:
   if k == "offset_rows":
     # The rows before the offset are never read (positions start at `offset`).
     return [np.concatenate([np.zeros((entry.offset, value.shape[1]), value.dtype), value])]
+  if k == "fused_in":
+    return [value.reshape(value.shape[0], -1)]
+  if k == "fused_bias":
+    return [value.reshape(-1)]
+  if k == "fused_out":
+    return [value.reshape(-1, value.shape[-1])]
   raise ValueError(f"Unknown conversion {k!r}.")
 
 

@@ -12,6 +12,7 @@ from transformer_jax.pretrained import bart
 from transformer_jax.pretrained.mapping import Entry, config_value
 
 MODEL_TYPES = ("marian",)
+FAMILY = "encoder_decoder"
 EMBEDDING_TENSOR, OUTPUT_TENSOR = bart.EMBEDDING_TENSOR, bart.OUTPUT_TENSOR
 
 
@@ -35,5 +36,5 @@ def special_ids(hf: dict) -> tuple[int, int]:
   return hf["pad_token_id"], config_value(hf, "eos_token_id", 0)
 
 
-def weight_table(hf: dict, fields: dict) -> list[Entry]:
-  return bart.weight_table(hf, fields, learned_positions=False)
+def weight_table(hf: dict, fields: dict, names=None) -> list[Entry]:
+  return bart.weight_table(hf, fields, names, learned_positions=False)

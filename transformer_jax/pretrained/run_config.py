@@ -72,7 +72,12 @@ def apply(config: ml_collections.ConfigDict, checkpoint: checkpoint_lib.Checkpoi
   `config.decoding` from its generation_config.json: every setting it makes when `serving`
   the checkpoint as it is (keys in `given_keys`, set on the command line, stay as given);
   for training only the token rules (forced ids where the config keeps the default, banned
-  ids added to the config's)."""
+  ids added to the config's). A classifier's labels: see `_apply_head`.
+
+  Raises:
+    PretrainedError: the checkpoint cannot train or serve as this config asks.
+  """
+  _apply_family(config, checkpoint, serving)
   defaults = default_config.get_config().decoding
   fixed_len = checkpoint.fields.get("max_len")
   with config.unlocked():
@@ -81,8 +86,12 @@ def apply(config: ml_collections.ConfigDict, checkpoint: checkpoint_lib.Checkpoi
         config.model[key] = value
     longest = families.longest_sequence(config)
     config.model.max_len = fixed_len or max(config.model.max_len, longest)
+    if checkpoint.family == "encoder_classifier":
+      _apply_head(config, checkpoint, serving)
+      return
     settings = generation.decoding_settings(checkpoint.generation_config, checkpoint.vocab,
-                                            config.model.max_len)
+                                            config.model.max_len,
+                                            decoder_only=checkpoint.family == "decoder_only")
     for key, value in settings.items():
       if serving:
         if f"decoding.{key}" not in given_keys:
@@ -93,26 +102,74 @@ def apply(config: ml_collections.ConfigDict, checkpoint: checkpoint_lib.Checkpoi
         config.decoding[key] = value
 
 
+def _apply_family(config: ml_collections.ConfigDict, checkpoint: checkpoint_lib.Checkpoint,
+                  serving: bool) -> None:
+  """Serving, the checkpoint's family is the model's (a classifier's task is classification);
+  training, the config's task must be one the checkpoint's family trains."""
+  wanted, family = checkpoint.family, families.name(config)
+  if wanted == family:
+    return
+  if serving:  # served as it is: the model is the checkpoint's
+    with config.unlocked():
+      if wanted == "encoder_classifier":
+        config.task = "classification"
+        return
+      if config.task != "classification":
+        config.architecture = wanted
+        return
+  tasks = ("config.task='classification'" if wanted == "encoder_classifier" else
+           f"a translation or summarization config with config.architecture='{wanted}'")
+  raise checkpoint_lib.PretrainedError(
+      f"{checkpoint.folder} is a {checkpoint.model_type} checkpoint, which trains the {wanted} "
+      f"family, but this config trains {family}: use {tasks}.")
+
+
+def _apply_head(config: ml_collections.ConfigDict, checkpoint: checkpoint_lib.Checkpoint,
+                serving: bool) -> None:
+  """A classifier's classes. Served as it is, the checkpoint's head and its id2label names;
+  fine-tuned, the config's classes and names, on the checkpoint's head where it has one of
+  that size (config.reset_head: always a fresh one), else a fresh head from the seed."""
+  names = checkpoint.label_names
+  if serving:
+    if checkpoint.has_head is False:
+      raise checkpoint_lib.PretrainedError(
+          f"{checkpoint.folder} is a bare {checkpoint.model_type} encoder without a "
+          "classification head: fine-tune it first (--config.pretrained=PATH with a "
+          "classification config).")
+    config.model.num_classes = len(names)
+    config.label_names = names
+  elif (checkpoint.has_head and not config.reset_head
+        and len(names) != config.model.num_classes):
+    raise checkpoint_lib.PretrainedError(
+        f"The classification head of {checkpoint.folder} has {len(names)} classes "
+        f"({', '.join(names)}) but config.model.num_classes={config.model.num_classes}: pass "
+        "--config.reset_head=True to train a new head for this config's classes.")
+
+
 def serving_lengths(config: ml_collections.ConfigDict) -> None:
   """Source and target lengths for serving a checkpoint with the default config: as long as
-  its positions allow, at most 512 tokens."""
+  its positions allow, at most 512 tokens (a decoder-only model: half each, as prompt and
+  output share one sequence)."""
   with config.unlocked():
-    length = min(config.model.max_len, 512)
-    config.max_source_length = config.max_target_length = length
+    length = config.model.max_len
+    if families.name(config) == "decoder_only":
+      length //= 2
+    config.max_source_length = config.max_target_length = min(length, 512)
 
 
 def save_files(checkpoint: checkpoint_lib.Checkpoint, workdir: str) -> None:
-  """Copies the checkpoint's config, generation config and tokenizer files into the workdir
-  (not the weights: the workdir's own checkpoints hold those). config.json goes last: its
-  presence marks the copy complete (`saved`)."""
+  """Copies the checkpoint's config (as read: with what `complete_config` added), generation
+  config and tokenizer files into the workdir (not the weights: the workdir's own checkpoints
+  hold those). config.json goes last: its presence marks the copy complete (`saved`)."""
   target = files_dir(workdir)
   target.mkdir(parents=True, exist_ok=True)
   tokenizer(checkpoint.folder, checkpoint.vocab).save(target)
-  for name in ("generation_config.json", "config.json"):
-    source = os.path.join(checkpoint.folder, name)
-    if os.path.exists(source):
-      with open(source, "rb") as f:
-        workdir_lib.write_atomic(target / name, f.read())
+  source = os.path.join(checkpoint.folder, "generation_config.json")
+  if os.path.exists(source):
+    with open(source, "rb") as f:
+      workdir_lib.write_atomic(target / "generation_config.json", f.read())
+  workdir_lib.write_atomic(target / "config.json",
+                           json.dumps(checkpoint.hf_config, indent=2).encode())
 
 
 def saved(workdir: str) -> bool:

@@ -12,6 +12,7 @@ from transformer_jax.pretrained.mapping import (Entry, attention_entries, config
                                                dense_entries, norm_entries)
 
 MODEL_TYPES = ("t5", "mt5", "umt5")
+FAMILY = "encoder_decoder"
 EMBEDDING_TENSOR, OUTPUT_TENSOR = "shared.weight", "lm_head.weight"
 _ATTENTION = dict(q="q", k="k", v="v", o="o")
 # feed_forward_proj's activation (HF ACT2FN names) -> ours, plain and gated.
@@ -70,8 +71,10 @@ def special_ids(hf: dict) -> tuple[int, int]:
   return config_value(hf, "pad_token_id", 0), eos[0] if isinstance(eos, list) else eos
 
 
-def weight_table(hf: dict, fields: dict) -> list[Entry]:
-  """Every parameter of our EncoderDecoder and the checkpoint tensors it comes from."""
+def weight_table(hf: dict, fields: dict, names=None) -> list[Entry]:
+  """Every parameter of our EncoderDecoder and the checkpoint tensors it comes from (one
+  layout whatever the checkpoint's tensor `names`)."""
+  del names
   gated = fields["ffn_activation"] in ("reglu", "geglu", "geglu_tanh", "swiglu")
   per_layer = fields["relative_bias_per_layer"]
   table = [Entry(("shared_embedding", "embedding", "embedding"), ("shared.weight",),

@@ -1,16 +1,21 @@
 """A Hugging Face checkpoint's own tokenizer, in this project's ids.
 
 The checkpoint's tokenizer files (tokenizer.json, spiece.model, vocab.json + merges.txt,
-Marian's source.spm + target.spm + vocab.json, ...) are loaded with
-`transformers.AutoTokenizer`, so text is split exactly as the checkpoint was trained; this
-class only renumbers ids through the import's `VocabMap` (checkpoint pad -> 0, eos -> 1) and
-offers the interface of `transformer_jax.tokenizer.Tokenizer`, so the data pipeline, the token
-cache and decoding use it unchanged.
+Marian's source.spm + target.spm + vocab.json, BERT's vocab.txt, PhoBERT's vocab.txt +
+bpe.codes, ...) are loaded with `transformers.AutoTokenizer`, so text is split exactly as the
+checkpoint was trained; this class only renumbers ids through the import's `VocabMap`
+(checkpoint pad -> 0, eos -> 1) and offers the interface of `transformer_jax.tokenizer.Tokenizer`,
+so the data pipeline, the token cache and decoding use it unchanged.
 
-EOS: Hugging Face tokenizers append the end-of-sequence token themselves; the pipeline here
-appends EOS (internal 1) itself, so `encode` leaves a trailing EOS out and
-`pipeline.with_eos(encode(text), n)` equals the checkpoint's own ids (renumbered). Other
-special tokens the tokenizer adds, such as BART's leading `<s>`, are kept.
+EOS: Hugging Face tokenizers append their end token themselves (eos; BERT's `[SEP]`, as BERT
+tokenizers have no eos); the pipeline here appends EOS (internal 1) itself, so `encode` leaves
+that trailing token out and `pipeline.with_eos(encode(text), n)` equals the checkpoint's own
+ids (renumbered). Other special tokens the tokenizer adds, such as BART's and RoBERTa's
+leading `<s>` or BERT's `[CLS]`, are kept. GPT-2's tokenizer appends nothing: `encode` is its
+ids as they are, and its eos `<|endoftext|>` (internal 1) is what the pipeline appends.
+
+Pad: a checkpoint without a pad token (GPT-2) gets one added past its vocabulary by the
+`VocabMap` (internal 0); the tokenizer never produces it and `decode` drops it.
 """
 
 from __future__ import annotations
@@ -34,23 +39,30 @@ from transformer_jax.pretrained.vocab import VocabMap
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".msgpack", ".h5", ".ot", ".pt", ".pth", ".ckpt",
                     ".onnx", ".gguf")
 _FILES_HINT = ("the checkpoint's tokenizer files (tokenizer.json + tokenizer_config.json, "
-               "spiece.model, vocab.json + merges.txt, or source.spm + target.spm + vocab.json)")
+               "spiece.model, sentencepiece.bpe.model, vocab.json + merges.txt, vocab.txt, "
+               "vocab.txt + bpe.codes, or source.spm + target.spm + vocab.json)")
 
 
 class PretrainedTokenizer:
   """A checkpoint's tokenizer whose ids are this project's (pad 0, eos 1).
 
+  "eos" here is the token that ends the checkpoint's sequences: the tokenizer's eos token, or
+  its sep token where it has no eos (BERT's `[SEP]`).
+
   Args:
     folder: a local folder or URL (gs://...) holding the checkpoint's tokenizer files.
     vocab_map: the import's renumbering; its pad (`to_hf[0]`) and eos (`to_hf[1]`) must be the
-      tokenizer's. Without it one is built from `vocab_size`, `pad_id` and `eos_id`.
-    vocab_size: the model's vocabulary (embedding rows); the tokenizer's size by default.
+      tokenizer's, or its pad an added id (`vocab_map.added_pad`) where the tokenizer has none
+      (GPT-2). Without it one is built from `vocab_size`, `pad_id` and `eos_id`, with a pad
+      added where the tokenizer has none.
+    vocab_size: the checkpoint's vocabulary (embedding rows, an added pad not counted); the
+      tokenizer's size by default.
     pad_id, eos_id: the model config's pad and eos ids (checkpoint ids); the tokenizer's by
       default. Given, they are checked against the tokenizer files.
 
   Raises:
     ValueError: the tokenizer files are missing, do not load, or do not belong to the model
-      (different pad / eos ids, or more pieces than the model has rows).
+      (different pad / eos ids, no end token, or more pieces than the model has rows).
   """
 
   def __init__(self, folder: str | os.PathLike, vocab_map: VocabMap | None = None, *,
@@ -64,18 +76,22 @@ class PretrainedTokenizer:
       local = self._download.name
       _copy_tokenizer_files(workdir_lib.path(self._folder), local)
     self._tok = _load_hf(local, self._folder)
-    if self._tok.pad_token_id is None or self._tok.eos_token_id is None:
-      raise ValueError(f"The tokenizer in {self._folder} has no pad or eos token; only "
-                       "encoder-decoder checkpoints with both (T5, BART, Marian) are supported.")
+    hf_pad, hf_eos = _pad_and_end(self._tok)
+    if hf_eos is None:
+      raise ValueError(f"The tokenizer in {self._folder} has no eos token (nor a sep token "
+                       f"that ends sequences): copy {_FILES_HINT} into {self._folder}.")
     if vocab_map is not None:
-      vocab_size, pad_id, eos_id = len(vocab_map.to_hf), *map(int, vocab_map.to_hf[:2])
-    pad_id = self._tok.pad_token_id if pad_id is None else pad_id
-    eos_id = self._tok.eos_token_id if eos_id is None else eos_id
-    if (pad_id, eos_id) != (self._tok.pad_token_id, self._tok.eos_token_id):
+      vocab_size, eos_id = vocab_map.checkpoint_size, int(vocab_map.to_hf[1])
+      pad_id = None if vocab_map.added_pad else int(vocab_map.to_hf[0])
+    else:
+      # None stays None where the tokenizer has no pad: the vocab map then adds one.
+      pad_id = hf_pad if pad_id is None else pad_id
+      eos_id = hf_eos if eos_id is None else eos_id
+    if (pad_id, eos_id) != (hf_pad, hf_eos):
       raise ValueError(
-          f"The tokenizer in {self._folder} has pad id {self._tok.pad_token_id} and eos id "
-          f"{self._tok.eos_token_id} but the model has pad {pad_id} and eos {eos_id}: they are "
-          f"not this checkpoint's; copy {_FILES_HINT} into {self._folder}.")
+          f"The tokenizer in {self._folder} has pad id {_shown(hf_pad)} and eos id {hf_eos} "
+          f"but the model has pad {_shown(pad_id)} and eos {eos_id}: they are not this "
+          f"checkpoint's; copy {_FILES_HINT} into {self._folder}.")
     self._size = len(self._tok)
     vocab_size = self._size if vocab_size is None else vocab_size
     if self._size > vocab_size:
@@ -91,6 +107,9 @@ class PretrainedTokenizer:
     self._to_hf = self.vocab_map.to_hf.tolist()
     # Marian's tokenizer carries a source and a target SentencePiece model.
     self._is_marian = isinstance(self._tok, transformers.MarianTokenizer)
+    # Only a tokenizer that appends its end token has one to strip: GPT-2's appends nothing,
+    # and a text ending in a literal "<|endoftext|>" must keep that token.
+    self._appends_eos = self._tok("a")["input_ids"][-1:] == [hf_eos]
 
   @property
   def hf_tokenizer(self) -> transformers.PreTrainedTokenizerBase:
@@ -99,18 +118,20 @@ class PretrainedTokenizer:
 
   @property
   def vocab_size(self) -> int:
-    """The tokenizer's pieces; the model may have more embedding rows (T5: 32100 of 32128)."""
+    """The tokenizer's pieces; the model may have more embedding rows (T5: 32100 of 32128),
+    and an added pad (GPT-2) is not counted."""
     return self._size
 
   @property
   def pad_id(self) -> int:
-    """The checkpoint's pad id (internal 0)."""
-    return self._tok.pad_token_id
+    """The checkpoint's pad id (internal 0): the vocab map's `to_hf[0]`. Where the checkpoint
+    has no pad (GPT-2) an id past its vocabulary, which the tokenizer does not know."""
+    return self._to_hf[0]
 
   @property
   def eos_id(self) -> int:
-    """The checkpoint's eos id (internal 1)."""
-    return self._tok.eos_token_id
+    """The checkpoint's end token (internal 1): its eos, or BERT's `[SEP]`."""
+    return self._to_hf[1]
 
   @property
   def bos_id(self) -> int | None:
@@ -119,10 +140,15 @@ class PretrainedTokenizer:
 
   @functools.cached_property
   def ends_with_eos(self) -> bool:
-    """Whether the checkpoint's sequences end with EOS, so that `with_eos(encode(text))` is
-    its own encoding. Not so for mBART-cc25 (`text </s> en_XX`): `encode` keeps that tail."""
-    return all(bool(ids) and ids[-1] == self._tok.eos_token_id
-               for ids in (self._tok("a")["input_ids"], self._tok(text_target="a")["input_ids"]))
+    """Whether `with_eos(encode(text))` ends as the checkpoint's sequences do: the tokenizer
+    appends its end token (eos, BERT's `[SEP]`), or nothing after the text (GPT-2, whose
+    training appends its eos as the pipeline does). Not so for mBART-cc25
+    (`text </s> en_XX`): `encode` keeps that tail."""
+    def ends_well(ids: list[int], text_ids: list[int]) -> bool:
+      return bool(ids) and (ids[-1] == self.eos_id or ids[len(ids) - len(text_ids):] == text_ids)
+    return all(ends_well(self._tok(**text)["input_ids"],
+                         self._tok(**text, add_special_tokens=False)["input_ids"])
+               for text in ({"text": "a"}, {"text_target": "a"}))
 
   def to_internal(self, hf_ids: int | Sequence[int] | np.ndarray) -> int | list[int]:
     """Checkpoint ids (e.g. a generation config's decoder_start_token_id) -> internal ids."""
@@ -159,12 +185,12 @@ class PretrainedTokenizer:
     return [self._internal(ids) for ids in encoded]
 
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-    """Internal ids -> text, up to the first EOS; special tokens and ids past the tokenizer
-    (padding rows of the embedding) are dropped."""
+    """Internal ids -> text, up to the first EOS; pad (an added one too), special tokens and
+    ids past the tokenizer (padding rows of the embedding) are dropped."""
     ids = [int(i) for i in ids]
     if 1 in ids:
       ids = ids[:ids.index(1)]
-    hf_ids = [h for h in self.to_hf([i for i in ids if 0 <= i < len(self._to_hf)])
+    hf_ids = [h for h in self.to_hf([i for i in ids if 0 < i < len(self._to_hf)])
               if h < self._size]
     # Model outputs are target text: Marian must detokenize with its target model, which
     # transformers 5 only does when asked (it defaults to the source model for a shared vocab).
@@ -172,8 +198,11 @@ class PretrainedTokenizer:
     return self._tok.decode(hf_ids, skip_special_tokens=True, **extra)
 
   def id_to_piece(self, token_id: int) -> str:
-    """The piece an internal id stands for, e.g. '▁Haus', 'Ġhouse' or '</s>'."""
-    return self._tok.convert_ids_to_tokens(self._to_hf[int(token_id)])
+    """The piece an internal id stands for, e.g. '▁Haus', 'Ġhouse' or '</s>'; '<pad>' for an
+    added pad and '' for rows past the tokenizer, which it has no piece for."""
+    if int(token_id) == 0 and self.vocab_map.added_pad:
+      return "<pad>"
+    return self._tok.convert_ids_to_tokens(self._to_hf[int(token_id)]) or ""
 
   @functools.cached_property
   def model_proto(self) -> bytes:
@@ -202,9 +231,22 @@ class PretrainedTokenizer:
     return cls(folder, vocab_map, **kwargs)
 
   def _internal(self, hf_ids: list[int]) -> list[int]:
-    if hf_ids and hf_ids[-1] == self._tok.eos_token_id:
+    if self._appends_eos and hf_ids and hf_ids[-1] == self._to_hf[1]:
       hf_ids = hf_ids[:-1]
     return [self._to_internal[i] for i in hf_ids]
+
+
+def _pad_and_end(tok) -> tuple[int | None, int | None]:
+  """The tokenizer's pad and end token (eos, else sep: BERT's `[SEP]`); pad None where it has
+  none, or where it pads with its end token (GPT-2 fine-tunes set pad = eos), which no vocab
+  map can tell apart: an added pad then stands for it."""
+  end = tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
+  pad = tok.pad_token_id
+  return (None if pad == end else pad), end
+
+
+def _shown(token_id: int | None) -> str:
+  return "none" if token_id is None else str(token_id)
 
 
 def _load_hf(local: str, shown: str) -> transformers.PreTrainedTokenizerBase:
@@ -228,7 +270,11 @@ def _load_hf(local: str, shown: str) -> transformers.PreTrainedTokenizerBase:
     raise ValueError(f"The tokenizer files in {shown} do not load ({type(error).__name__}: "
                      f"{reason}): copy {_FILES_HINT} into it.") from error
   # With a config.json alone, transformers 5 builds a tokenizer of a few placeholder pieces.
+  # A Rust-backed tokenizer also loads from tokenizer.json alone, which is all `save` writes
+  # for some (GPT-2's names only vocab.json and merges.txt).
   names = set(type(tok).vocab_files_names.values()) - {"tokenizer_config.json"}
+  if tok.is_fast:
+    names.add("tokenizer.json")
   if not any(os.path.isfile(os.path.join(local, name)) for name in names):
     raise ValueError(f"{shown} has none of the files of a {type(tok).__name__} "
                      f"({', '.join(sorted(names))}): copy {_FILES_HINT} into it.")

@@ -1,0 +1,269 @@
+"""BERT, RoBERTa and XLM-R classifiers and GPT-2 imported from Hugging Face, against
+transformers itself: served, fine-tuned, exported, and bad input.
+
+Tiny random checkpoints written by transformers (tests/hf_fixtures.py) stand in for hub
+models; the tokenizers' ids are tests/test_pretrained_tokenizer.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests import cli
+from tests import hf_fixtures
+from tests.conftest import make_tiny_config
+from transformer_jax import default_config
+from transformer_jax import models
+from transformer_jax.data import pipeline
+from transformer_jax.predict import Predictor
+from transformer_jax.pretrained import checkpoint as checkpoint_lib
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+CLASSIFIERS = ("bert", "roberta", "xlm-roberta")
+LENGTH = 24  # tokens per padded row
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+  """kind -> a tiny checkpoint folder, made once per module on first use."""
+  made = {}
+
+  def get(kind):
+    if kind not in made:
+      made[kind] = hf_fixtures.tiny_model(kind, str(tmp_path_factory.mktemp(kind)))
+    return made[kind]
+
+  return get
+
+
+def _texts(kind: str, count: int = 6) -> list[str]:
+  """Real sentences of different lengths (Vietnamese for XLM-R)."""
+  language = "vi" if kind == "xlm-roberta" else "en"
+  sentences = hf_fixtures.model_sentences(language, 200)
+  return sorted(sentences[:count * 5], key=len)[::5][:count]
+
+
+def _rows(predictor: Predictor, texts: list[str], eos: bool = True) -> np.ndarray:
+  """[len(texts), LENGTH] internal ids as the pipeline makes them, padded with 0."""
+  rows = np.zeros((len(texts), LENGTH), np.int32)
+  for i, text in enumerate(texts):
+    ids = predictor.tokenizer.encode(text)
+    ids = pipeline.with_eos(ids, LENGTH) if eos else ids[:LENGTH]
+    rows[i, :len(ids)] = ids
+  return rows
+
+
+@pytest.mark.parametrize("kind", CLASSIFIERS)
+def test_classifier_probabilities_equal_pytorch(kind, folders):
+  folder = folders(kind)
+  predictor = Predictor.from_pretrained(folder)
+  hf_config = json.load(open(os.path.join(folder, "config.json")))
+  assert predictor.config.label_names == [hf_config["id2label"][str(i)]
+                                          for i in range(len(hf_config["id2label"]))]
+  inputs = _rows(predictor, _texts(kind))
+  assert (inputs == 0).any() and (inputs != 0).all(axis=0).any()  # padded, unequal rows
+  params = predictor.layout.checkpoint_state(predictor.device_params)
+  ours = jax.nn.softmax(predictor.family.model.apply({"params": params}, jnp.asarray(inputs),
+                                                     deterministic=True))
+  model = transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()
+  vocab = predictor.tokenizer.vocab_map
+  with torch.no_grad():
+    logits = model(input_ids=torch.tensor(vocab.hf(inputs)),
+                   attention_mask=torch.tensor(inputs != 0)).logits
+  np.testing.assert_allclose(np.asarray(ours), torch.softmax(logits, -1).numpy(), atol=1e-4)
+
+
+def test_classifier_jsonl_gives_the_checkpoints_label_names(folders, tmp_path):
+  folder = folders("bert")
+  texts = _texts("bert", 3)
+  source = tmp_path / "in.txt"
+  source.write_text("\n".join(texts) + "\n")
+  result = cli.run_main("--pretrained", folder, "--mode", "predict", "--input", str(source),
+                        "--output_format", "jsonl")
+  assert result.returncode == 0, result.stderr[-3000:]
+  records = [json.loads(line) for line in result.stdout.splitlines()]
+  model = transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()
+  tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+  with torch.no_grad():
+    probabilities = torch.softmax(model(**tokenizer(texts, return_tensors="pt",
+                                                    padding=True)).logits, -1).numpy()
+  names = [model.config.id2label[i] for i in range(model.config.num_labels)]
+  for record, text, expected in zip(records, texts, probabilities):
+    assert record["source"] == text
+    assert list(record["probabilities"]) == names  # id2label order
+    np.testing.assert_allclose(list(record["probabilities"].values()), expected, atol=1e-4)
+    assert record["label"] == names[int(np.argmax(expected))]
+
+
+def test_gpt2_logits_and_greedy_continuations_equal_pytorch(folders):
+  folder = folders("gpt2")
+  predictor = Predictor.from_pretrained(folder)
+  vocab = predictor.tokenizer.vocab_map
+  assert vocab.added_pad and predictor.family.model_config.mask_padding_logit
+  tokens = _rows(predictor, _texts("gpt2"))
+  params = predictor.layout.checkpoint_state(predictor.device_params)
+  ours = np.asarray(predictor.family.model.apply({"params": params}, jnp.asarray(tokens),
+                                                 deterministic=True))
+  inputs = np.asarray(models.shift_right(jnp.asarray(tokens), predictor.family.model_config.bos_id))
+  model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+  with torch.no_grad():
+    theirs = model(input_ids=torch.tensor(vocab.hf(np.where(tokens != 0, inputs, 1))),
+                   attention_mask=torch.tensor(tokens != 0)).logits.numpy()
+  real = tokens != 0
+  np.testing.assert_allclose(ours[..., vocab.internal(np.arange(vocab.checkpoint_size))][real],
+                             theirs[real], atol=1e-4)
+  assert (ours[..., 0] == models.PADDING_LOGIT).all()  # the added pad is never predicted
+
+  # Greedy continuations of `<|endoftext|> SOURCE <|endoftext|>` (the decoder-only family's
+  # prompt), batched here with right-padded prompts, one at a time in transformers.
+  texts = _texts("gpt2", 4)
+  outputs = predictor.predict(texts, method="greedy", max_decode_len=10)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+  eos = tokenizer.eos_token_id
+  for text, output in zip(texts, outputs):
+    prompt = torch.tensor([[eos] + tokenizer(text)["input_ids"] + [eos]])
+    with torch.no_grad():
+      ids = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                           num_beams=1, max_new_tokens=10, pad_token_id=eos)
+    assert output == tokenizer.decode(ids[0, prompt.shape[1]:], skip_special_tokens=True)
+
+
+def _write_sentiment(folder, labels=("negative", "positive")):
+  """A tsv corpus where one word decides the label."""
+  os.makedirs(folder, exist_ok=True)
+  rng = np.random.default_rng(0)
+  words = [["awful", "dull", "bad"], ["great", "fun", "good"], ["fine", "okay", "average"]]
+  for split, n in (("train", 200), ("dev", 16), ("test", 16)):
+    with open(os.path.join(folder, f"{split}.tsv"), "w") as f:
+      f.write("label\tsentence\n")
+      for _ in range(n):
+        label = int(rng.integers(len(labels)))
+        f.write(f"{label}\tthe film was {rng.choice(words[label])} and long\n")
+
+
+def _classification_config(data_dir: str, folder: str, num_classes: int = 2):
+  config = default_config.get_config()
+  config.update(task="classification", dataset="local", data_dir=data_dir, pretrained=folder,
+                max_source_length=16, num_train_steps=12, per_device_batch_size=8,
+                learning_rate=1e-3, warmup_steps=2, label_smoothing=0.0, log_every_steps=4,
+                eval_every_steps=12, checkpoint_every_steps=12)
+  config.local.update(format="tsv")
+  config.splits.update(validation="dev")
+  config.model.update(num_classes=num_classes)
+  config.label_names = ["negative", "positive", "neutral"][:num_classes]
+  return config
+
+
+def test_bare_bert_fine_tunes_a_fresh_head_and_exports(folders, tmp_path):
+  from transformer_jax import train  # pylint: disable=import-outside-toplevel
+  folder = folders("bert_bare")
+  _write_sentiment(str(tmp_path / "data"))
+  config = _classification_config(str(tmp_path / "data"), folder)
+  config.num_train_steps, config.log_every_steps = 1, 1
+  workdir = str(tmp_path / "run")
+  first = train.train_and_evaluate(config, workdir)
+  config.num_train_steps = 12
+  last = train.train_and_evaluate(config, workdir)
+  assert last["loss"] < first["loss"]
+
+  output = str(tmp_path / "exported")
+  result = cli.run(workdir, "--mode", "export", "--output", output)
+  assert result.returncode == 0, result.stderr[-3000:]
+  reloaded = transformers.AutoModelForSequenceClassification.from_pretrained(output).eval()
+  assert type(reloaded).__name__ == "BertForSequenceClassification"
+  assert reloaded.config.id2label == {0: "negative", 1: "positive"}
+  predictor = Predictor.from_workdir(workdir)
+  texts = ["the film was great and long", "the film was dull", "a film"]
+  inputs = _rows(predictor, texts)
+  params = predictor.layout.checkpoint_state(predictor.device_params)
+  ours = jax.nn.softmax(predictor.family.model.apply({"params": params}, jnp.asarray(inputs),
+                                                     deterministic=True))
+  with torch.no_grad():
+    theirs = torch.softmax(reloaded(input_ids=torch.tensor(
+        predictor.tokenizer.vocab_map.hf(inputs)),
+        attention_mask=torch.tensor(inputs != 0)).logits, -1).numpy()
+  np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4)
+
+
+def test_gpt2_fine_tunes_as_the_decoder_only_family_and_exports(folders, tmp_path,
+                                                                data_cache):
+  from transformer_jax import train  # pylint: disable=import-outside-toplevel
+  folder = folders("gpt2")
+  config = make_tiny_config(data_cache)
+  config.update(architecture="decoder_only", pretrained=folder, num_train_steps=1,
+                eval_every_steps=12, checkpoint_every_steps=12, learning_rate=1e-3,
+                num_generate_examples=4)
+  config.decoding.update(method="greedy", max_decode_len=8)
+  workdir = str(tmp_path / "run")
+  first = train.train_and_evaluate(config, workdir)
+  config.num_train_steps = 12  # label smoothing 0.1: nothing is spread onto the added pad
+  last = train.train_and_evaluate(config, workdir)
+  assert np.isfinite(last["loss"]) and last["loss"] < first["loss"]
+
+  output = str(tmp_path / "exported")
+  result = cli.run(workdir, "--mode", "export", "--output", output)
+  assert result.returncode == 0, result.stderr[-3000:]
+  predictor = Predictor.from_workdir(workdir)
+  vocab = predictor.tokenizer.vocab_map
+  tokens = _rows(predictor, _texts("gpt2", 3))
+  params = predictor.layout.checkpoint_state(predictor.device_params)
+  ours = np.asarray(predictor.family.model.apply({"params": params}, jnp.asarray(tokens),
+                                                 deterministic=True))
+  inputs = np.asarray(models.shift_right(jnp.asarray(tokens), predictor.family.model_config.bos_id))
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(output).eval()
+  assert reloaded.config.vocab_size == vocab.checkpoint_size  # the added pad left out
+  with torch.no_grad():
+    theirs = reloaded(input_ids=torch.tensor(vocab.hf(np.where(tokens != 0, inputs, 1))),
+                      attention_mask=torch.tensor(tokens != 0)).logits.numpy()
+  real = tokens != 0
+  np.testing.assert_allclose(ours[..., vocab.internal(np.arange(vocab.checkpoint_size))][real],
+                             theirs[real], atol=1e-4)
+
+
+def test_a_head_of_another_size_needs_reset_head(folders, tmp_path):
+  from transformer_jax import train  # pylint: disable=import-outside-toplevel
+  folder = folders("bert")  # three classes
+  _write_sentiment(str(tmp_path / "data"))
+  config = _classification_config(str(tmp_path / "data"), folder)
+  with pytest.raises(checkpoint_lib.PretrainedError, match="--config.reset_head=True"):
+    train.train_and_evaluate(config, str(tmp_path / "refused"))
+  assert not os.path.exists(tmp_path / "refused" / "pretrained")
+  config.reset_head, config.num_train_steps = True, 2
+  result = train.train_and_evaluate(config, str(tmp_path / "reset"))
+  assert np.isfinite(result["loss"])
+
+
+def test_bad_input_is_one_line(folders, tmp_path):
+  bert = folders("bert")
+  no_tokenizer = tmp_path / "no_tokenizer"
+  no_tokenizer.mkdir()
+  for name in ("config.json", "model.safetensors"):
+    shutil.copy(os.path.join(bert, name), no_tokenizer)
+  no_weights = tmp_path / "no_weights"
+  no_weights.mkdir()
+  shutil.copy(os.path.join(bert, "config.json"), no_weights)
+  unsupported = tmp_path / "unsupported"
+  unsupported.mkdir()
+  (unsupported / "config.json").write_text(json.dumps({"model_type": "electra"}))
+  cases = [(no_tokenizer, "tokenizer"), (no_weights, "no weights"),
+           (unsupported, "not supported; supported: bart, bert, gpt2"),
+           (folders("bert_bare"), "without a classification head: fine-tune it first")]
+  for folder, message in cases:
+    result = cli.run_main("--pretrained", str(folder), "--mode", "predict", input="a\n")
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert message in cli.user_error(result.stderr), result.stderr[-2000:]
+  # A checkpoint of another family than the config's task.
+  workdir = tmp_path / "wrong_family"
+  result = cli.run(workdir, "--config", "tests/tiny_config.py:" + str(tmp_path / "cache"),
+                   f"--config.pretrained={bert}")
+  assert result.returncode == 1
+  assert "trains the encoder_classifier family" in cli.user_error(result.stderr)
