@@ -137,7 +137,7 @@ def test_gpt2_logits_and_greedy_continuations_equal_pytorch(folders):
     assert output == tokenizer.decode(ids[0, prompt.shape[1]:], skip_special_tokens=True)
 
 
-def _write_sentiment(folder, labels=("negative", "positive")):
+def _write_sentiment(folder, num_classes: int = 2):
   """A tsv corpus where one word decides the label."""
   os.makedirs(folder, exist_ok=True)
   rng = np.random.default_rng(0)
@@ -146,7 +146,7 @@ def _write_sentiment(folder, labels=("negative", "positive")):
     with open(os.path.join(folder, f"{split}.tsv"), "w") as f:
       f.write("label\tsentence\n")
       for _ in range(n):
-        label = int(rng.integers(len(labels)))
+        label = int(rng.integers(num_classes))
         f.write(f"{label}\tthe film was {rng.choice(words[label])} and long\n")
 
 
@@ -163,11 +163,15 @@ def _classification_config(data_dir: str, folder: str, num_classes: int = 2):
   return config
 
 
-def test_bare_bert_fine_tunes_a_fresh_head_and_exports(folders, tmp_path):
+@pytest.mark.parametrize("kind,num_classes,architecture", [
+    ("bert_bare", 2, "BertForSequenceClassification"),  # a fresh head from the seed
+    ("roberta", 2, "RobertaForSequenceClassification"),  # the checkpoint's head
+    ("xlm-roberta", 3, "XLMRobertaForSequenceClassification")])
+def test_classifier_fine_tunes_and_exports(kind, num_classes, architecture, folders, tmp_path):
   from transformer_jax import train  # pylint: disable=import-outside-toplevel
-  folder = folders("bert_bare")
-  _write_sentiment(str(tmp_path / "data"))
-  config = _classification_config(str(tmp_path / "data"), folder)
+  folder = folders(kind)
+  _write_sentiment(str(tmp_path / "data"), num_classes)
+  config = _classification_config(str(tmp_path / "data"), folder, num_classes)
   config.num_train_steps, config.log_every_steps = 1, 1
   workdir = str(tmp_path / "run")
   first = train.train_and_evaluate(config, workdir)
@@ -179,8 +183,8 @@ def test_bare_bert_fine_tunes_a_fresh_head_and_exports(folders, tmp_path):
   result = cli.run(workdir, "--mode", "export", "--output", output)
   assert result.returncode == 0, result.stderr[-3000:]
   reloaded = transformers.AutoModelForSequenceClassification.from_pretrained(output).eval()
-  assert type(reloaded).__name__ == "BertForSequenceClassification"
-  assert reloaded.config.id2label == {0: "negative", 1: "positive"}
+  assert type(reloaded).__name__ == architecture
+  assert list(reloaded.config.id2label.values()) == config.label_names  # the run's labels
   predictor = Predictor.from_workdir(workdir)
   texts = ["the film was great and long", "the film was dull", "a film"]
   inputs = _rows(predictor, texts)
@@ -237,7 +241,8 @@ def test_a_head_of_another_size_needs_reset_head(folders, tmp_path):
   with pytest.raises(checkpoint_lib.PretrainedError, match="--config.reset_head=True"):
     train.train_and_evaluate(config, str(tmp_path / "refused"))
   assert not os.path.exists(tmp_path / "refused" / "pretrained")
-  config.reset_head, config.num_train_steps = True, 2
+  # A new head (from the seed) beside imported weights, placed in their jit shardings.
+  config.reset_head, config.num_train_steps, config.parallel.mode = True, 2, "jit"
   result = train.train_and_evaluate(config, str(tmp_path / "reset"))
   assert np.isfinite(result["loss"])
 

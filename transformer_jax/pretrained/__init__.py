@@ -1,9 +1,12 @@
 """Hugging Face checkpoints in and out: the only package that knows Hugging Face names.
 
   checkpoint.py  folder / hub name -> config translation and parameters (safetensors)
-  t5.py, bart.py, marian.py  one architecture each: config fields, special ids, weight table
+  t5.py, bart.py, marian.py  encoder-decoders: config fields, special ids, weight table
+  bert.py        BERT / RoBERTa / XLM-R classifiers (the same, plus the classification head)
+  gpt2.py        GPT-2 as the decoder-only family
   mapping.py     weight-name tables and their conversions, both directions
-  vocab.py       the checkpoint's ids renumbered to this project's pad 0 / eos 1
+  vocab.py       the checkpoint's ids renumbered to this project's pad 0 / eos 1 (a pad added
+                 where the checkpoint has none: GPT-2)
   tokenizer.py   the checkpoint's own tokenizer behind this project's tokenizer interface
   generation.py  generation_config.json -> config.decoding settings
   run_config.py  a run's config around a checkpoint; the checkpoint files a workdir keeps
