@@ -104,6 +104,26 @@ def test_classifier_jsonl_gives_the_checkpoints_label_names(folders, tmp_path):
     assert record["label"] == names[int(np.argmax(expected))]
 
 
+def test_evaluate_pretrained_classifier_scores_as_pytorch(folders, tmp_path):
+  """--mode evaluate --pretrained on a classification split: the accuracy of transformers'
+  own predictions, and no decoding settings in the result."""
+  from transformer_jax import commands  # pylint: disable=import-outside-toplevel
+  folder = folders("bert")
+  _write_sentiment(str(tmp_path / "data"), 3)
+  config = _classification_config(str(tmp_path / "data"), folder, 3)
+  predictor = Predictor.from_pretrained(folder, config)
+  result = commands.run_evaluate(None, split="test", predictor=predictor)
+  assert "decoding" not in result and result["examples"] == 16
+  rows = [line.split("\t") for line in open(tmp_path / "data" / "test.tsv")][1:]
+  model = transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()
+  tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+  with torch.no_grad():
+    logits = model(**tokenizer([text.strip() for _, text in rows], return_tensors="pt",
+                               padding=True)).logits.numpy()
+  labels = np.array([int(label) for label, _ in rows])
+  assert result["accuracy"] == pytest.approx(np.mean(logits.argmax(-1) == labels))
+
+
 def test_gpt2_logits_and_greedy_continuations_equal_pytorch(folders):
   folder = folders("gpt2")
   predictor = Predictor.from_pretrained(folder)
