@@ -65,17 +65,39 @@ def generates_text(config: ml_collections.ConfigDict) -> bool:
   return _BY_NAME[name(config)].generates_text
 
 
+def family_class(family_name: str) -> type["Family"]:
+  """The class of a family by name (its `generates_text`, `continues_prompt`, ...)."""
+  if family_name not in NAMES:
+    raise ValueError(f"Unknown family {family_name!r}; use one of {NAMES}.")
+  return _BY_NAME[family_name]
+
+
+def set_family(config: ml_collections.ConfigDict, family_name: str) -> None:
+  """Makes `config` train `family_name`: the classifier by its task, a text family by
+  config.architecture (which a classification config cannot take: ValueError)."""
+  family_class(family_name)  # a known name
+  with config.unlocked():
+    if family_name == EncoderClassifier.name:
+      config.task = "classification"
+    elif config.task == "classification":
+      raise ValueError(f"a classification config cannot train the {family_name} family")
+    else:
+      config.architecture = family_name
+
+
+# For messages: the configs that train each family.
+CONFIGS_OF = {"encoder_decoder": "a translation, summarization or multitask config",
+              "decoder_only": "a translation or summarization config with "
+                              "config.architecture='decoder_only'",
+              "encoder_classifier": "a classification config (config.task='classification')"}
+
+
 def from_model_config(family_name: str, model_config: models.TransformerConfig,
                       **config_overrides) -> "Family":
   """A family around a model config, every other setting from default_config (for notebooks
   and tests that start from a TransformerConfig rather than an experiment config)."""
-  if family_name not in NAMES:
-    raise ValueError(f"Unknown family {family_name!r}; use one of {NAMES}.")
   config = default_config.get_config()
-  if family_name == "encoder_classifier":
-    config.task = "classification"
-  else:
-    config.architecture = family_name
+  set_family(config, family_name)
   fields = dataclasses.asdict(model_config)
   fields["dtype"] = jnp.dtype(fields["dtype"]).name
   config.model.update(fields)
@@ -88,6 +110,9 @@ class Family(abc.ABC):
   name = ""
   packable = True  # training rows may hold several packed examples
   generates_text = True  # examples have a target text (the classifier: a label)
+  # Outputs continue the prompt in one sequence (decoder-only): Hugging Face's max_length
+  # then counts the prompt too.
+  continues_prompt = False
   num_model_inputs = 1  # token arrays the model's __call__ takes
 
   def __init__(self, config: ml_collections.ConfigDict):
@@ -336,6 +361,7 @@ class DecoderOnly(_SequenceFamily):
   """A causal LM over `SOURCE <eos> TARGET <eos>` (causal over the source too: not a prefix
   LM, whose source would be read bidirectionally), graded on the target only."""
   name = "decoder_only"
+  continues_prompt = True
 
   @staticmethod
   def longest_sequence(config):

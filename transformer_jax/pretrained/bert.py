@@ -33,6 +33,13 @@ ARCHITECTURES = {"bert": "BertForSequenceClassification",
                  "xlm-roberta": "XLMRobertaForSequenceClassification"}
 
 
+def export_config(hf: dict, label_names) -> dict:
+  """config.json of the sequence classifier an export writes, with the run's labels."""
+  return dict(hf, architectures=[ARCHITECTURES[hf["model_type"]]],
+              id2label={str(i): name for i, name in enumerate(label_names)},
+              label2id={name: i for i, name in enumerate(label_names)})
+
+
 def _is_roberta(hf: dict) -> bool:
   return hf["model_type"] != "bert"
 

@@ -8,8 +8,9 @@ parameter tree (float32, whatever the file's dtype). No torch is needed.
 
 Each architecture module (t5.py, bart.py, marian.py, bert.py, gpt2.py) offers MODEL_TYPES, the
 FAMILY it trains as, EMBEDDING_TENSOR / OUTPUT_TENSOR (None: no LM output), `model_fields`,
-`special_ids` and `weight_table`; classifiers add `head_tensors`, and `complete_config`
-where config.json alone does not tell the special ids.
+`special_ids` and `weight_table`; classifiers add `head_tensors` and `export_config` (the
+exported config.json), and `complete_config` where config.json alone does not tell the
+special ids.
 """
 
 from __future__ import annotations

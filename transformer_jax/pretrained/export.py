@@ -39,15 +39,9 @@ def export(params, model_config: models.TransformerConfig, workdir: str, output:
   written = [checkpoint_lib.WEIGHTS]
   for path in files.iterdir():
     data = path.read_bytes()
-    if path.name == "config.json" and module.FAMILY == "encoder_classifier":
-      data = json.dumps(_classifier_config(hf_config, module, label_names), indent=2).encode()
+    if path.name == "config.json" and hasattr(module, "export_config"):
+      data = json.dumps(module.export_config(hf_config, label_names), indent=2).encode()
     workdir_lib.write_atomic(target / path.name, data)
     written.append(path.name)
   return sorted(written)
 
-
-def _classifier_config(hf_config: dict, module, label_names: Sequence[str]) -> dict:
-  """config.json of the sequence classifier the export writes: its head's labels."""
-  return dict(hf_config, architectures=[module.ARCHITECTURES[hf_config["model_type"]]],
-              id2label={str(i): name for i, name in enumerate(label_names)},
-              label2id={name: i for i, name in enumerate(label_names)})

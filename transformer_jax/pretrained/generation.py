@@ -13,9 +13,10 @@ from transformer_jax.pretrained import vocab as vocab_lib
 
 
 def decoding_settings(generation_config: dict, vocab: vocab_lib.VocabMap,
-                      max_len: int, decoder_only: bool = False) -> dict:
+                      max_len: int, counts_prompt: bool = False) -> dict:
   """config.decoding keys and values that `generation_config` sets (the rest keep theirs).
-  A `decoder_only` model's max_length and min_length count its prompt too: not applied."""
+  Where max_length and min_length `counts_prompt` (a decoder-only model's), they are not
+  applied."""
   g = {k: v for k, v in generation_config.items() if v is not None}
   settings = {}
   if g.get("do_sample"):  # transformers' defaults where the file is silent (top_k 50)
@@ -28,9 +29,9 @@ def decoding_settings(generation_config: dict, vocab: vocab_lib.VocabMap,
     settings.update(method="greedy")
   if "max_new_tokens" in g:
     settings["max_decode_len"] = min(int(g["max_new_tokens"]), max_len)
-  elif "max_length" in g and not decoder_only:
+  elif "max_length" in g and not counts_prompt:
     settings["max_decode_len"] = min(int(g["max_length"]) - 1, max_len)
-  if g.get("min_length", 0) > 1 and not decoder_only:
+  if g.get("min_length", 0) > 1 and not counts_prompt:
     settings["min_length"] = int(g["min_length"]) - 1
   if "forced_bos_token_id" in g:
     settings["forced_bos_id"] = int(vocab.internal(g["forced_bos_token_id"]))

@@ -86,12 +86,13 @@ def apply(config: ml_collections.ConfigDict, checkpoint: checkpoint_lib.Checkpoi
         config.model[key] = value
     longest = families.longest_sequence(config)
     config.model.max_len = fixed_len or max(config.model.max_len, longest)
-    if checkpoint.family == "encoder_classifier":
+    family = families.family_class(checkpoint.family)
+    if not family.generates_text:
       _apply_head(config, checkpoint, serving)
       return
     settings = generation.decoding_settings(checkpoint.generation_config, checkpoint.vocab,
                                             config.model.max_len,
-                                            decoder_only=checkpoint.family == "decoder_only")
+                                            counts_prompt=family.continues_prompt)
     for key, value in settings.items():
       if serving:
         if f"decoding.{key}" not in given_keys:
@@ -105,23 +106,19 @@ def apply(config: ml_collections.ConfigDict, checkpoint: checkpoint_lib.Checkpoi
 def _apply_family(config: ml_collections.ConfigDict, checkpoint: checkpoint_lib.Checkpoint,
                   serving: bool) -> None:
   """Serving, the checkpoint's family is the model's (a classifier's task is classification);
-  training, the config's task must be one the checkpoint's family trains."""
+  training, the config must train the checkpoint's family."""
   wanted, family = checkpoint.family, families.name(config)
   if wanted == family:
     return
-  if serving:  # served as it is: the model is the checkpoint's
-    with config.unlocked():
-      if wanted == "encoder_classifier":
-        config.task = "classification"
-        return
-      if config.task != "classification":
-        config.architecture = wanted
-        return
-  tasks = ("config.task='classification'" if wanted == "encoder_classifier" else
-           f"a translation or summarization config with config.architecture='{wanted}'")
+  if serving:
+    try:
+      families.set_family(config, wanted)
+      return
+    except ValueError:
+      pass  # a classification config: the error below says what to use
   raise checkpoint_lib.PretrainedError(
       f"{checkpoint.folder} is a {checkpoint.model_type} checkpoint, which trains the {wanted} "
-      f"family, but this config trains {family}: use {tasks}.")
+      f"family, but this config trains {family}: use {families.CONFIGS_OF[wanted]}.")
 
 
 def _apply_head(config: ml_collections.ConfigDict, checkpoint: checkpoint_lib.Checkpoint,
