@@ -111,6 +111,7 @@ def test_evaluate_pretrained_classifier_scores_as_pytorch(folders, tmp_path):
   folder = folders("bert")
   _write_sentiment(str(tmp_path / "data"), 3)
   config = _classification_config(str(tmp_path / "data"), folder, 3)
+  config.max_source_length = 64  # the checkpoint's positions; transformers truncates alike
   predictor = Predictor.from_pretrained(folder, config)
   result = commands.run_evaluate(None, split="test", predictor=predictor)
   assert "decoding" not in result and result["examples"] == 16
@@ -119,7 +120,7 @@ def test_evaluate_pretrained_classifier_scores_as_pytorch(folders, tmp_path):
   tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
   with torch.no_grad():
     logits = model(**tokenizer([text.strip() for _, text in rows], return_tensors="pt",
-                               padding=True)).logits.numpy()
+                               padding=True, truncation=True, max_length=64)).logits.numpy()
   labels = np.array([int(label) for label, _ in rows])
   assert result["accuracy"] == pytest.approx(np.mean(logits.argmax(-1) == labels))
 

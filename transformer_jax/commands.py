@@ -8,7 +8,7 @@ import math
 import os
 import stat
 import sys
-from typing import IO, Iterator
+from typing import IO, Iterator, Sequence
 
 import ml_collections
 from absl import logging
@@ -151,7 +151,8 @@ def run_predict(workdir: str, input_path: str, output_path: str,
         lines = [" ".join(o.splitlines()) for o in predictor.predict(chunk)]
       else:
         results = predictor.predict_nbest(chunk, nbest)
-        lines = [_format(text, outputs, index + i, output_format, classifier)
+        lines = [_format(text, outputs, index + i, output_format,
+                         predictor.config.label_names if classifier else None)
                  for i, (text, outputs) in enumerate(zip(chunk, results))]
       index += len(chunk)
       sink.write("".join(line + "\n" for line in lines))
@@ -159,13 +160,16 @@ def run_predict(workdir: str, input_path: str, output_path: str,
 
 
 def _format(source: str, outputs: list[tuple[str, float]], index: int, output_format: str,
-            classifier: bool) -> str:
+            label_names: Sequence[str] | None) -> str:
+  """One input's line(s); a classifier's (`label_names` given) probabilities in label order."""
   outputs = [(" ".join(text.splitlines()), score) for text, score in outputs]
   if output_format == "text":
     return "\n".join(f"{index} ||| {text} ||| {score:.4f}" for text, score in outputs)
-  if classifier:
+  if label_names is not None:
+    scores = dict(outputs)
     return json.dumps(dict(source=source, label=outputs[0][0] if outputs else None,
-                           probabilities={t: math.exp(s) for t, s in outputs}),
+                           probabilities={name: math.exp(scores[name]) for name in label_names
+                                          if name in scores}),
                       ensure_ascii=False)
   return json.dumps(dict(source=source, outputs=[dict(text=t, score=s) for t, s in outputs]),
                     ensure_ascii=False)
