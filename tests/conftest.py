@@ -47,6 +47,18 @@ def tiny_config(data_cache):
   return make_tiny_config(data_cache)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+  """Drops JAX's compiled programs after each test module. Each XLA:CPU executable keeps
+  about 8 memory mappings, and the whole suite in one process compiles thousands: past the
+  kernel's vm.max_map_count (65,530) the next compilation dies with a segmentation fault."""
+  yield
+  import gc  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  jax.clear_caches()
+  gc.collect()
+
+
 @pytest.fixture(autouse=True)
 def _no_leftover_runs():
   """Runs a failed test started in the background are killed, not left training."""
