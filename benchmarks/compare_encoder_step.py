@@ -61,9 +61,8 @@ def random_batch(batch_size: int, seq_len: int, pad_fraction: float):
 
 
 def jax_runner(args):
-  import functools  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
-  from transformer_jax import families, models, parallel, train  # pylint: disable=g-import-not-at-top
+  from transformer_jax import benchmark, families, models  # pylint: disable=g-import-not-at-top
   model_config = models.TransformerConfig(**dict(
       OURS, attention_dropout_rate=args.attention_dropout,
       attention_implementation=args.attention_implementation))
@@ -71,20 +70,9 @@ def jax_runner(args):
       "encoder_classifier", model_config, label_smoothing=0.0,
       max_source_length=args.seq_len, learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
   config = family.config
-  # As benchmark.train_step_runner, with a classifier's batch (inputs with padding, labels).
-  train.use_prng_impl(config)
-  layout = parallel.make_layout(config)
   inputs, labels = random_batch(args.batch_size, args.seq_len, args.pad_fraction)
-  batch = layout.train_batch({"inputs": inputs, "labels": labels})
-  create = functools.partial(train.create_state, config, family, jax.random.PRNGKey(0))
-  holder = {"state": layout.place_state(layout.create_state(create))}
-  dropout = jax.random.PRNGKey(1)
-  step = train.compile_train_step(config, family, layout)
-
-  def run():
-    holder["state"], sums = step(holder["state"], batch, dropout)
-    jax.block_until_ready(sums)
-
+  run = benchmark.train_step_runner(config, family, args.batch_size, args.seq_len,
+                                    batch={"inputs": inputs, "labels": labels})
   return run, {"jax": jax.__version__}
 
 

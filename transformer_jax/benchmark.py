@@ -63,14 +63,18 @@ def _timed(fn, steps: int, warmup: int) -> float:
   return (time.perf_counter() - start) / steps
 
 
-def train_step_runner(config, family, batch_size: int, seq_len: int) -> Callable[[], None]:
-  """A call that runs one training step (config.parallel's layout) on fixed random tokens and
-  blocks until it is done; the state it updates lives in the closure."""
+def train_step_runner(config, family, batch_size: int, seq_len: int,
+                      batch: dict | None = None) -> Callable[[], None]:
+  """A call that runs one training step (config.parallel's layout) on fixed random tokens (or
+  the host arrays of `batch`, e.g. a classifier's inputs and labels) and blocks until it is
+  done; the state it updates lives in the closure."""
   train.use_prng_impl(config)
   layout = parallel.make_layout(config)
-  rng = np.random.default_rng(0)
-  batch = layout.train_batch({k: rng.integers(3, config.model.vocab_size, (batch_size, seq_len),
-                                              dtype=np.int32) for k in ("inputs", "targets")})
+  if batch is None:
+    rng = np.random.default_rng(0)
+    batch = {k: rng.integers(3, config.model.vocab_size, (batch_size, seq_len), dtype=np.int32)
+             for k in ("inputs", "targets")}
+  batch = layout.train_batch(batch)
   create = functools.partial(train.create_state, config, family, jax.random.PRNGKey(0))
   holder = {"state": layout.place_state(layout.create_state(create))}
   dropout = jax.random.PRNGKey(1)
