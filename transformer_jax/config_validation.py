@@ -21,7 +21,7 @@ from transformer_jax import parallel
 CHOICES = {
     "task": ("translation", "summarization", "classification", "multitask"),
     "architecture": ("encoder_decoder", "decoder_only"),
-    "dataset": ("demo", "local", "tfds"),
+    "dataset": ("demo", "local", "tfds", "huggingface"),
     "local.format": ("parallel", "jsonl", "tsv", "label_lines", "label_files"),
     "tokenizer.model_type": ("bpe", "unigram", "char", "word"),
     "overlong": ("truncate", "drop"),
@@ -173,9 +173,13 @@ def _cross_key_problems(config: ml_collections.ConfigDict,
     found.append("config.dataset='local' needs config.data_dir: pass --config.data_dir=FOLDER of the corpus")
   if config.dataset == "tfds" and not config.tfds.name:
     found.append("config.dataset='tfds' needs config.tfds.name")
+  if config.dataset == "huggingface":
+    found.extend(_huggingface_problems(config))
   if config.task == "multitask" and not config.mixture:
     found.append("config.task='multitask' needs config.mixture (see configs/multitask.py)")
-  if config.task == "classification" and len(config.label_names) != m.num_classes:
+  # A Hugging Face dataset's ClassLabel column names its classes itself (checked on opening).
+  if (config.task == "classification" and config.dataset != "huggingface"
+      and len(config.label_names) != m.num_classes):
     found.append(f"config.label_names has {len(config.label_names)} names but "
                  f"config.model.num_classes={m.num_classes}")
   longest = families.longest_sequence(config)
@@ -253,6 +257,25 @@ def _run_record_problems(config: ml_collections.ConfigDict) -> list[str]:
                       and profile[1] >= 1):
     found.append(f"config.profile_steps={tuple(profile)!r} must be (first step >= 0, number "
                  "of steps >= 1), or () for no profile")
+  return found
+
+
+def _huggingface_problems(config: ml_collections.ConfigDict) -> list[str]:
+  h, found = config.huggingface, []
+  if not h.name:
+    found.append("config.dataset='huggingface' needs config.huggingface.name: a Hub id such as "
+                 "knkarthick/dialogsum, a save_to_disk folder, a folder of data files, or a "
+                 "builder (parquet, json, csv) with config.huggingface.data_files")
+  if importlib.util.find_spec("datasets") is None:
+    found.append("config.dataset='huggingface' needs the datasets library: pip install "
+                 "'transformer_jax[hf]' (or pip install datasets)")
+  builder = h.name in ("parquet", "json", "csv", "arrow", "text")
+  if builder and not h.data_files.train:
+    found.append(f"config.huggingface.name={h.name!r} reads files: set "
+                 "config.huggingface.data_files.train (and .validation / .test) to paths or globs")
+  if not builder and any(h.data_files.values()):
+    found.append("config.huggingface.data_files is for the builders (parquet, json, csv, "
+                 f"arrow, text), not config.huggingface.name={h.name!r}")
   return found
 
 

@@ -40,7 +40,8 @@ def get_config() -> ml_collections.ConfigDict:
   # `SOURCE <eos> TARGET <eos>`, loss on the target only). Classification always uses the
   # encoder with a pooling head.
   config.architecture = "encoder_decoder"
-  # Where examples come from: 'demo' (generated grammar), 'local' (config.data_dir) or 'tfds'.
+  # Where examples come from: 'demo' (generated grammar), 'local' (config.data_dir), 'tfds' or
+  # 'huggingface' (config.huggingface).
   config.dataset = "demo"
   # 'local': the dataset's folder, laid out as config.local.format describes.
   config.data_dir = ""
@@ -60,7 +61,20 @@ def get_config() -> ml_collections.ConfigDict:
   config.tfds = ml_collections.ConfigDict(dict(
       name="", eval_name="", source_key="", target_key="", label_key="label"))
   config.tfds_data_dir = ""
-  # Our split -> the file stem (local) or split name (tfds) that holds it.
+  # 'huggingface' (the `datasets` library: pip install 'transformer_jax[hf]'): name is a Hub id
+  # ('knkarthick/dialogsum', with subset and revision, e.g. 'wmt/wmt14' subset 'de-en'), a
+  # local or gs:// folder written by save_to_disk, a folder of Parquet / JSON lines / CSV files
+  # named by split, or a builder ('parquet', 'json', 'csv', 'arrow', 'text') reading
+  # data_files per split (paths or globs, comma-separated). streaming: read the Hub's files
+  # as a stream instead of preparing a local Arrow copy (for corpora too large for the disk).
+  # columns: the source / target / label fields, 'translation.en' for one inside a dict
+  # column; '' = the usual names (dialogue / summary, sentence / label, ...). A ClassLabel
+  # label column gives config.label_names. See transformer_jax/data/hf_source.py.
+  config.huggingface = ml_collections.ConfigDict(dict(
+      name="", subset="", revision="", streaming=False,
+      data_files=ml_collections.ConfigDict(dict(train="", validation="", test="")),
+      columns=ml_collections.ConfigDict(dict(source="", target="", label=""))))
+  # Our split -> the file stem (local) or split name (tfds, huggingface) that holds it.
   config.splits = ml_collections.ConfigDict(dict(
       train="train", validation="validation", test="test"))
   # 'demo': sizes and seed of the generated splits; cache_dir '' = ~/.cache/transformer_jax.

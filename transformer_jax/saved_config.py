@@ -12,9 +12,10 @@ import ml_collections
 from transformer_jax import workdir as workdir_lib
 
 # Keys that describe the trained model and its data: evaluate / predict cannot change them.
-FIXED_KEYS = ("task", "architecture", "dataset", "local", "tfds", "splits", "demo.num_train",
-              "demo.num_validation", "demo.num_test", "demo.seed", "data_seed", "label_names", "mixture",
-              "tokenizer", "max_source_length", "max_target_length", "model")
+FIXED_KEYS = ("task", "architecture", "dataset", "local", "tfds", "huggingface", "splits",
+              "demo.num_train", "demo.num_validation", "demo.num_test", "demo.seed", "data_seed",
+              "label_names", "mixture", "tokenizer", "max_source_length", "max_target_length",
+              "model")
 
 
 def get_config(workdir: str) -> ml_collections.ConfigDict:

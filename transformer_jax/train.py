@@ -34,6 +34,7 @@ from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax import workdir as workdir_lib
 from transformer_jax.data import pipeline
 from transformer_jax.data import preparation
+from transformer_jax.data import sources
 
 
 class NonFiniteLossError(RuntimeError):
@@ -198,6 +199,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     from transformer_jax.pretrained import run_config  # pylint: disable=g-import-not-at-top
     run_config.apply(config, run_config.run_checkpoint(config, workdir))
   config_validation.validate(config, jax.device_count())
+  # A missing split or column is found before the workdir is made.
+  sources.check_dataset(config, ("train", config.eval_split))
   use_prng_impl(config)
   workdir_lib.path(workdir).mkdir(parents=True, exist_ok=True)
   with _locked(workdir):

@@ -27,7 +27,7 @@ def part_config(config: ml_collections.ConfigDict, part: ml_collections.ConfigDi
   sub.dataset = part.get("dataset", "local")
   sub.data_seed = config.data_seed
   sub.data_dir = os.path.join(config.data_dir, part.get("data_dir", ""))
-  for name in ("local", "splits", "tfds"):
+  for name in ("local", "splits", "tfds", "huggingface"):
     if name in part:
       sub[name].update(copy.deepcopy(part[name].to_dict()))
   if "label_names" in part:

@@ -1,4 +1,5 @@
-"""Where examples come from, selected by `config.dataset`: 'demo', 'local' or 'tfds'.
+"""Where examples come from, selected by `config.dataset`: 'demo', 'local', 'tfds' or
+'huggingface'.
 
 An example is a dict: {'source': str, 'target': str} for translation and summarization,
 {'source': str, 'label': int} for classification.
@@ -72,7 +73,21 @@ def load_examples(config: ml_collections.ConfigDict,
   if config.dataset == "tfds":
     from transformer_jax.data import tfds_source  # pylint: disable=g-import-not-at-top
     return {split: list(tfds_source.stream(config, split)[0]) for split in splits}
-  raise ValueError(f"Unknown config.dataset={config.dataset!r}; use 'demo', 'local' or 'tfds'.")
+  if config.dataset == "huggingface":
+    from transformer_jax.data import hf_source  # pylint: disable=g-import-not-at-top
+    return {split: list(hf_source.stream(config, split)[0]) for split in splits}
+  raise ValueError(f"Unknown config.dataset={config.dataset!r}; use 'demo', 'local', 'tfds' or "
+                   "'huggingface'.")
+
+
+def check_dataset(config: ml_collections.ConfigDict, splits: Sequence[str]) -> None:
+  """Opens a Hugging Face dataset's `splits` and checks the fields the task reads, and takes
+  the class names of a ClassLabel column: before a run writes anything, a wrong name, split or
+  column is one line. The other sources are checked as they are read."""
+  if config.dataset == "huggingface":
+    from transformer_jax.data import hf_source  # pylint: disable=g-import-not-at-top
+    hf_source.check(config, splits)
+    hf_source.apply_label_names(config)
 
 
 def shard_of(examples: Sequence[dict], shard_index: int, shard_count: int
@@ -86,11 +101,14 @@ def stream(config: ml_collections.ConfigDict, split: str, shard_index: int = 0,
            shard_count: int = 1) -> tuple[Iterable[dict], int | None]:
   """One shard of `split`: examples shard_index, shard_index + shard_count, ... in the
   source's order, read as they are asked for where the source allows it (local parallel and
-  jsonl files, TFDS), and how many there are (None when that is not known up front)."""
+  jsonl files, TFDS, Hugging Face datasets), and how many there are (None when that is not known up front)."""
   check_splits([split])
   if config.dataset == "tfds":
     from transformer_jax.data import tfds_source  # pylint: disable=g-import-not-at-top
     return tfds_source.stream(config, split, shard_index, shard_count)
+  if config.dataset == "huggingface":
+    from transformer_jax.data import hf_source  # pylint: disable=g-import-not-at-top
+    return hf_source.stream(config, split, shard_index, shard_count)
   if config.dataset == "local" and config.local.format in ("parallel", "jsonl"):
     read = _local_reader(config, split)
     total = None

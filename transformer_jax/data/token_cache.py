@@ -4,8 +4,8 @@ WORKDIR/token_cache/train-KEY/ (train-KEY-shardSofN/ for shard S of N data shard
 .npy file per array of the split's `Encoded` (each feature's flat token values and offsets,
 the labels) and `manifest.json`, written last, with every array's shape, dtype and CRC32. KEY
 hashes everything the arrays depend on: the tokenizer, the family and its feature lengths, the
-overlong policy, the data keys of the config and, for a local `data_dir`, the name, size and
-modification time of every file in it. So a changed tokenizer, setting or data file is a miss,
+overlong policy, the data keys of the config and, for a local `data_dir` or Hugging Face
+dataset, the name, size and modification time of every file in it. So a changed tokenizer, setting or data file is a miss,
 encoded anew into a new entry. An entry that does not match its manifest (a killed write, a
 damaged file) is logged, removed and rebuilt.
 """
@@ -27,8 +27,10 @@ from transformer_jax.data import pipeline
 
 MANIFEST = "manifest.json"
 # Config keys that decide which examples a split holds (with the data files themselves).
-DATA_KEYS = ("task", "dataset", "data_dir", "local", "tfds", "demo", "splits", "mixture",
-             "data_seed", "label_names", "max_source_length", "max_target_length", "overlong")
+DATA_KEYS = ("task", "dataset", "data_dir", "local", "tfds", "huggingface", "demo", "splits",
+             "mixture",
+             "data_seed", "label_names", "max_source_length", "max_target_length",
+             "overlong")
 
 
 def _data_files(data_dir: str) -> list[tuple[str, int, int]]:
@@ -49,6 +51,10 @@ def key(config: ml_collections.ConfigDict, family_name: str, feature_lengths: di
   data = {k: settings[k] for k in DATA_KEYS if k in settings}
   if config.get("data_dir") and os.path.isdir(config.data_dir):
     data["files"] = _data_files(config.data_dir)
+  if config.get("dataset") == "huggingface":
+    from transformer_jax.data import hf_source  # pylint: disable=g-import-not-at-top
+    data["hf_files"] = [(path, os.stat(path).st_size, os.stat(path).st_mtime_ns)
+                        for path in hf_source.local_files(config)]
   description = json.dumps(dict(data=data, family=family_name, split=split,
                                  lengths=feature_lengths,
                                  tokenizer=hashlib.sha256(tokenizer_proto).hexdigest()),
