@@ -6,6 +6,10 @@
 
 Prepare the data once on a machine with internet:
   tfds build wmt14_translate/de-en --data_dir=gs://BUCKET/tensorflow_datasets
+Or read the same corpus from the Hugging Face Hub (wmt/wmt14, subset de-en: the same train
+split, newstest2013 as validation and newstest2014 as test), cached by the datasets library on
+the first run:
+  python -m transformer_jax.main --config configs/wmt14_en_de.py:hub --workdir runs/wmt14_hub
 Transformer-base (63M parameters with a 32k vocabulary), packed rows of 256 tokens, global
 batch 256 rows (about 50k tokens) on 8 devices, 100k steps; decoding beam 4, alpha 0.6.
 Expected: the paper's base reaches 27.3 BLEU en->de on newstest2014 after 100k steps on 8 P100
@@ -16,13 +20,19 @@ project (no accelerator was available): the README's results table says what was
 from transformer_jax import default_config
 
 
-def get_config():
+def get_config(data: str = "tfds"):
+  """`data`: 'tfds' (TFDS wmt14_translate) or 'hub' (the Hugging Face Hub's wmt/wmt14)."""
+  (data,) = default_config.options(data, data=("tfds", "hub"))
   config = default_config.get_config()
   config.task = "translation"
   config.dataset = "tfds"
   config.tfds.update(name="wmt14_translate/de-en", source_key="en", target_key="de")
   # newstest2013 (validation) and newstest2014 (test) in wmt14_translate/de-en.
   config.splits.update(train="train", validation="validation", test="test")
+  if data == "hub":  # the same splits under the same names; the pair is one 'translation' dict
+    config.dataset = "huggingface"
+    config.huggingface.update(name="wmt/wmt14", subset="de-en")
+    config.huggingface.columns.update(source="translation.en", target="translation.de")
   config.tokenizer.update(model_type="unigram", num_sentences=10_000_000)
   config.model.vocab_size = 32_000
   config.max_source_length = 256

@@ -114,11 +114,19 @@ print("RESULT", json.dumps(dict(
 """
 
 
+@pytest.mark.parametrize("source", ["demo", "huggingface"])
 def test_two_processes_read_disjoint_shards_and_together_give_one_process_batches(
-    tmp_path, data_cache):
+    tmp_path, data_cache, source):
+  dataset = {}
+  if source == "huggingface":  # the demo pairs as a folder of Parquet files, as on the Hub
+    pytest.importorskip("datasets")
+    from tests import hf_datasets  # pylint: disable=import-outside-toplevel
+    folder = hf_datasets.write(data_cache, str(tmp_path / "data"))["summarization"]
+    dataset = {"dataset": "huggingface", "huggingface.name": folder}
+
   def read(workdir, processes, overrides):
     script = _READ_SHARDS.format(root=ROOT, cache=data_cache, workdir=str(tmp_path / workdir),
-                                 overrides=overrides)
+                                 overrides={**dataset, **overrides})
     return _run("import jax\n" + script, 1, processes)
 
   zero, one = read("two", 2, {})  # data_shards 0: one shard per process

@@ -16,18 +16,46 @@ from transformer_jax import models
 from transformer_jax import parallel
 
 
-def load(path: str) -> ml_collections.ConfigDict:
-  """`get_config()` of the config file at `path`, e.g. a sibling config to build a variant on."""
+def load(path: str, *args: str) -> ml_collections.ConfigDict:
+  """`get_config(*args)` of the config file at `path`, e.g. a sibling config to build a variant
+  on; `args` is what follows ':' on the command line (`configs/sst2.py:hub` -> 'hub')."""
   name = os.path.splitext(os.path.basename(path))[0]
   spec = importlib.util.spec_from_file_location(f"transformer_jax_config_{name}", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.get_config()
+  return module.get_config(*args)
 
 
-def sibling(config_file: str, name: str) -> ml_collections.ConfigDict:
-  """The config `name`.py in the folder of `config_file` (pass a config's `__file__`)."""
-  return load(os.path.join(os.path.dirname(os.path.abspath(config_file)), f"{name}.py"))
+def sibling(config_file: str, name: str, *args: str) -> ml_collections.ConfigDict:
+  """The config `name`.py in the folder of `config_file` (pass a config's `__file__`), built
+  with `args` (a variant such as 'hub', passed on by a config that builds on it)."""
+  return load(os.path.join(os.path.dirname(os.path.abspath(config_file)), f"{name}.py"), *args)
+
+
+def options(arg: str, **choices: tuple[str, ...]) -> tuple[str, ...]:
+  """A config's variant argument split into one value per option, each defaulting to the first
+  of its choices.
+
+  ml_collections passes what follows ':' in `--config FILE:TEXT` as one string, so a config
+  with several options takes them comma-separated, in any order:
+  `options('hub,roberta', model=('bert', 'roberta'), data=('local', 'hub'))` is
+  ('roberta', 'hub'), and `options('', ...)` is ('bert', 'local').
+
+  Raises:
+    ValueError: a part that is no option's choice, or two parts for one option.
+  """
+  picked = {}
+  for part in filter(None, (p.strip() for p in arg.split(","))):
+    names = [name for name, values in choices.items() if part in values]
+    if not names:
+      known = "; ".join(f"{name}: {', '.join(values)}" for name, values in choices.items())
+      raise ValueError(f"Unknown config variant {part!r} in {arg!r}; give at most one of each "
+                       f"option, comma-separated ({known}).")
+    if names[0] in picked:
+      raise ValueError(f"Config variant {arg!r} gives the {names[0]} twice "
+                       f"({picked[names[0]]!r} and {part!r}).")
+    picked[names[0]] = part
+  return tuple(picked.get(name, values[0]) for name, values in choices.items())
 
 
 def get_config() -> ml_collections.ConfigDict:

@@ -125,8 +125,8 @@ def open_split(config: ml_collections.ConfigDict, split: str):
 def _open(config: ml_collections.ConfigDict, split: str):
   import datasets  # pylint: disable=g-import-not-at-top
   h, dataset_split = config.huggingface, config.splits[split]
+  kind = source_kind(h.name)
   try:
-    kind = source_kind(h.name)
     if kind == "saved":
       saved = datasets.load_from_disk(h.name)
       if isinstance(saved, datasets.Dataset):
@@ -302,15 +302,16 @@ def stream(config: ml_collections.ConfigDict, split: str, shard_index: int = 0,
   """Examples shard_index, shard_index + shard_count, ... of `split` (example i of the
   dataset in shard i % shard_count, as for every source), and how many (None for a stream
   of unknown length)."""
+  import datasets  # pylint: disable=g-import-not-at-top
   data = open_split(config, split)
   classify = config.task == "classification"
   roles = ("source", "label") if classify else ("source", "target")
   paths = {role: _field_path(config, role, _features(data), split) for role in roles}
   names = list(config.label_names)
-  if hasattr(data, "with_format") and hasattr(data, "__len__"):  # a map-style Dataset
+  if isinstance(data, datasets.Dataset):  # memory-mapped Arrow, read by index
     rows = _rows_of_table(data, paths, shard_index, shard_count)
     total = len(range(shard_index, len(data), shard_count))
-  else:
+  else:  # a stream: every row passes, the shard's are kept
     rows = ({role: _nested(record, path) for role, path in paths.items()}
             for record in itertools.islice(data, shard_index, None, shard_count))
     known = getattr(getattr(data, "info", None), "splits", None) or {}
