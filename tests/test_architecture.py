@@ -70,6 +70,21 @@ def test_no_import_cycle_inside_the_package():
   assert "transformer_jax.predict" not in graph["transformer_jax.evaluation"]
 
 
+def test_only_the_hugging_face_source_imports_the_datasets_library():
+  """`datasets` is an optional extra: nothing else may need it."""
+  importers = set()
+  for name, path in _modules().items():
+    with open(path, encoding="utf-8") as f:
+      tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+               else [])
+      if any(n.split(".")[0] in ("datasets", "pyarrow") for n in names):
+        importers.add(name)
+  assert importers == {"transformer_jax.data.hf_source"}
+
+
 def test_model_family_checks_live_only_in_families():
   """No module but families.py (and models.py, which defines them) asks which family a model
   or config is."""
