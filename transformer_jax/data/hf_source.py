@@ -21,6 +21,7 @@ objects.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -97,8 +98,8 @@ def _remote_folder_files(url: str) -> tuple[str, dict[str, list[str]]]:
   files = data_files_lib.DataFilesDict.from_patterns(patterns, base_path=url)
   files = {str(split): list(paths) for split, paths in files.items()}
   extensions = {os.path.splitext(path)[1] for paths in files.values() for path in paths}
-  builders = {packaged_modules._EXTENSION_TO_MODULE.get(e, (None,))[0]  # pylint: disable=protected-access
-              for e in extensions}
+  by_extension = packaged_modules._EXTENSION_TO_MODULE  # pylint: disable=protected-access
+  builders = {by_extension.get(e, (None,))[0] for e in extensions}
   if len(builders) != 1 or None in builders:
     raise ValueError(f"{url} holds files of types {sorted(extensions)}; keep one of Parquet, "
                      "JSON lines or CSV per folder.")
@@ -122,27 +123,35 @@ def open_split(config: ml_collections.ConfigDict, split: str):
   return _OPENED[key]
 
 
+@functools.lru_cache(maxsize=4)
+def _saved(name: str):
+  """A save_to_disk folder, loaded once for all its splits (from a bucket it is copied to a
+  local temporary folder first, by the library)."""
+  import datasets  # pylint: disable=g-import-not-at-top
+  saved = datasets.load_from_disk(name)
+  if isinstance(saved, datasets.Dataset):
+    raise ValueError(f"{name} holds one dataset, not splits; save a DatasetDict "
+                     "(DatasetDict(train=..., validation=..., test=...).save_to_disk).")
+  return saved
+
+
 def _open(config: ml_collections.ConfigDict, split: str):
   import datasets  # pylint: disable=g-import-not-at-top
   h, dataset_split = config.huggingface, config.splits[split]
   kind = source_kind(h.name)
+  if kind == "saved":  # memory-mapped already: `streaming` would add nothing
+    if dataset_split not in _saved(h.name):
+      raise _split_error(config, split, _saved(h.name))
+    return _saved(h.name)[dataset_split]
+  if kind == "builder":
+    args, kwargs = (h.name,), dict(data_files=_builder_files(config))
+  elif kind == "folder" and workdir_lib.is_url(h.name):
+    builder, files = _remote_folder_files(h.name)
+    args, kwargs = (builder,), dict(data_files=files)
+  else:
+    args = (h.name, h.subset or None)
+    kwargs = dict(revision=h.revision or None) if kind == "hub" else {}
   try:
-    if kind == "saved":
-      saved = datasets.load_from_disk(h.name)
-      if isinstance(saved, datasets.Dataset):
-        raise ValueError(f"{h.name} holds one dataset, not splits; save a DatasetDict "
-                         "(DatasetDict(train=..., validation=..., test=...).save_to_disk).")
-      if dataset_split not in saved:
-        raise _split_error(config, split, saved)
-      return saved[dataset_split]  # memory-mapped already: `streaming` would add nothing
-    if kind == "builder":
-      args, kwargs = (h.name,), dict(data_files=_builder_files(config))
-    elif kind == "folder" and workdir_lib.is_url(h.name):
-      builder, files = _remote_folder_files(h.name)
-      args, kwargs = (builder,), dict(data_files=files)
-    else:
-      args = (h.name, h.subset or None)
-      kwargs = dict(revision=h.revision or None) if kind == "hub" else {}
     return datasets.load_dataset(*args, split=dataset_split, streaming=h.streaming, **kwargs)
   except datasets.exceptions.DatasetNotFoundError:
     raise ValueError(f"Hugging Face dataset {h.name!r} was not found on the Hub; check the "
