@@ -16,7 +16,9 @@ the source / target / label fields, 'translation.en' for a field inside a dict c
 the usual names, e.g. dialogue / summary, sentence / label). A ClassLabel label column gives
 the class names (`apply_label_names`). Rows are read from the memory-mapped Arrow table a
 chunk at a time, or from a stream with `streaming=True`: a split is never held as Python
-objects.
+objects. Example i is in data shard i % N as for every source, so the batches do not depend
+on the number of hosts: a host gathers its shards' rows from the Arrow table by index, or, from
+a stream, reads every row and keeps its own.
 """
 
 from __future__ import annotations
