@@ -9,13 +9,16 @@ Prepare the data once on a machine with internet:
   tfds build cnn_dailymail --data_dir=gs://BUCKET/tensorflow_datasets
 Data and schedule as configs/cnn_dailymail.py; a 12-layer pre-LN decoder (d 512), greedy.
 Not yet measured by this project (no accelerator was available).
+`:hub` reads abisee/cnn_dailymail (3.0.0) from the Hugging Face Hub instead of TFDS, as
+configs/cnn_dailymail.py:hub.
 """
 
 from transformer_jax import default_config
 
 
-def get_config():
-  config = default_config.sibling(__file__, "cnn_dailymail")
+def get_config(data: str = "tfds"):
+  """`data`: 'tfds' or 'hub' (the Hugging Face Hub's copy), as configs/cnn_dailymail.py."""
+  config = default_config.sibling(__file__, "cnn_dailymail", data)
   config.architecture = "decoder_only"
   config.decoding.update(method="greedy")
   config.model.update(num_layers=12, max_len=640)

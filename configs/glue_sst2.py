@@ -7,7 +7,8 @@ labels are hidden, so `--mode evaluate` also uses validation here).
 Prepare the data once on a machine with internet:
   tfds build glue/sst2 --data_dir=gs://BUCKET/tensorflow_datasets
 The model and schedule of configs/sst2.py (which reads the GLUE TSV files from a folder); that
-config's measured accuracy is in the README.
+config's measured accuracy is in the README. The Hugging Face Hub's copy of GLUE SST-2 is read
+by `configs/sst2.py:hub` (which validates on a held-out tail of train instead).
 """
 
 from transformer_jax import default_config

@@ -12,13 +12,17 @@ of 16 dialogues a step at a peak learning rate of 1e-4, beam 4. `--config.pretra
 openai-community/gpt2-medium` (355M) is the larger variant.
 Expected: not yet measured here, and no published GPT-2 DialogSum figure is quoted; compare
 with configs/flan_t5_dialogsum.py on the same split. A GPU is advised.
+`:hub` reads the Hugging Face Hub's knkarthick/dialogsum instead of the folder, as
+configs/dialogsum.py:hub does (its test split scores every one of the three references):
+  python -m transformer_jax.main --config configs/gpt2_dialogsum.py:hub --workdir runs/gpt2_hub
 """
 
 from transformer_jax import default_config
 
 
-def get_config():
-  config = default_config.sibling(__file__, "dialogsum")
+def get_config(data: str = "local"):
+  """`data`: 'local' (config.data_dir) or 'hub' (the Hugging Face Hub's knkarthick/dialogsum)."""
+  config = default_config.sibling(__file__, "dialogsum", data)
   config.architecture = "decoder_only"
   config.pretrained = "openai-community/gpt2"
   config.max_source_length = 512

@@ -9,13 +9,15 @@ The same 3+3-layer post-LN Transformer (d 256, 7.6M parameters) on packed rows o
 6,000 steps of 128 rows, dropout 0.3. Issue #18 reports, on one NVIDIA H100 80GB (jax 0.11.2):
 test BLEU 40.18 (validation 42.99) in about 2 minutes, against 36.38 with dropout 0.1; not
 yet re-run from this file (benchmarks/RESULTS.md, GPU section, says when it is).
+`:hub` reads bentrevett/multi30k from the Hugging Face Hub instead, as configs/multi30k.py:hub.
 """
 
 from transformer_jax import default_config
 
 
-def get_config():
-  config = default_config.sibling(__file__, "multi30k")
+def get_config(data: str = "local"):
+  """`data`: 'local' or 'hub' (the Hugging Face Hub's copy), as configs/multi30k.py."""
+  config = default_config.sibling(__file__, "multi30k", data)
   # 6,000 steps x 128 packed rows of 64 tokens: about 85 epochs of the 29,000 pairs.
   config.num_train_steps = 6_000
   config.per_device_batch_size = 128

@@ -11,13 +11,18 @@ The checkpoint (74M parameters, its source/target SentencePiece models and vocab
 the model; its generation config bans the pad token and forces EOS at the length limit.
 Expected (literature, not yet measured here): opus-mt-en-de scores 40.9 BLEU on newstest2019
 before fine-tuning; Multi30k test BLEU in the low 40s after 1,500 steps (GPU advised).
+`:hub` reads the same pairs from the Hugging Face Hub's bentrevett/multi30k, as
+configs/multi30k.py:hub does:
+  python -m transformer_jax.main --config configs/opus_mt_multi30k.py:hub \
+      --workdir runs/opus_mt_multi30k_hub
 """
 
 from transformer_jax import default_config
 
 
-def get_config():
-  config = default_config.sibling(__file__, "multi30k")
+def get_config(data: str = "local"):
+  """`data`: 'local' (config.data_dir) or 'hub' (the Hugging Face Hub's bentrevett/multi30k)."""
+  config = default_config.sibling(__file__, "multi30k", data)
   config.pretrained = "Helsinki-NLP/opus-mt-en-de"
   config.max_source_length = 64
   config.max_target_length = 64

@@ -8,8 +8,10 @@ positive), accuracy and macro-F1 on dev and test.
 FacebookAI/xlm-roberta-base (278M parameters, a 250k-piece SentencePiece vocabulary that
 covers Vietnamese) with a fresh 3-class head. `:phobert` uses vinai/phobert-base instead,
 a RoBERTa whose BPE expects word-segmented text (VnCoreNLP's `học_sinh`): segment the corpus
-first, or expect lower scores. 4 epochs of 32 sentences a step, peak learning rate 2e-5,
-layer-wise decay 0.9.
+first, or expect lower scores. Add `hub` (`:hub`, `:phobert,hub`) to read the Hugging Face
+Hub's uitnlp/vietnamese_students_feedback, as configs/uit_vsfc.py:hub does (the same splits):
+  python -m transformer_jax.main --config configs/xlmr_uit_vsfc.py:hub --workdir runs/xlmr_hub
+4 epochs of 32 sentences a step, peak learning rate 2e-5, layer-wise decay 0.9.
 Expected (literature, not yet measured here): about 93% accuracy on the sentiment test set.
 A GPU is advised.
 """
@@ -20,9 +22,9 @@ CHECKPOINTS = {"xlmr": "FacebookAI/xlm-roberta-base", "phobert": "vinai/phobert-
 
 
 def get_config(model: str = "xlmr"):
-  if model not in CHECKPOINTS:
-    raise ValueError(f"Unknown variant {model!r}; use one of {sorted(CHECKPOINTS)}.")
-  config = default_config.sibling(__file__, "uit_vsfc")
+  """`model`: a key of CHECKPOINTS and/or 'hub', comma-separated (e.g. 'phobert,hub')."""
+  model, data = default_config.options(model, model=tuple(CHECKPOINTS), data=("local", "hub"))
+  config = default_config.sibling(__file__, "uit_vsfc", data)
   config.pretrained = CHECKPOINTS[model]
   config.num_train_steps = 1_450  # 4 epochs of 11,426 sentences
   config.per_device_batch_size = 32

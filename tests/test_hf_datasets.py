@@ -49,6 +49,9 @@ def test_each_form_reads_the_examples_in_order_and_in_shards(corpora, tmp_path):
     for shard in range(3):  # example i in shard i % 3, as for every source
       assert _read(config, "train", shard, 3) == (pairs[shard::3], len(pairs[shard::3]))
   assert sources.load_examples(translation, ["test"])["test"] == demo["test"]
+  # Slices of a saved dataset's splits, in the syntax load_dataset reads from the Hub.
+  translation.splits.train = "train[:100]+test[-8:]"
+  assert _read(translation, "train", 1, 2) == ((pairs[:100] + demo["test"][-8:])[1::2], 54)
 
   # A builder over files given per split: JSON lines with string labels, mapped by name.
   for split in ("train", "test"):

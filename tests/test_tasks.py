@@ -13,6 +13,7 @@ import pytest
 
 from tests.conftest import ROOT
 from transformer_jax import commands
+from transformer_jax import config_validation
 from transformer_jax import default_config
 from transformer_jax import families
 from transformer_jax import metrics
@@ -21,6 +22,7 @@ from transformer_jax import predict
 from transformer_jax import tasks
 from transformer_jax import train
 from transformer_jax import workdir as workdir_lib
+from transformer_jax.data import hf_source
 from transformer_jax.data import pipeline
 from transformer_jax.data import preparation
 
@@ -144,8 +146,8 @@ def test_classification_trains_evaluates_and_predicts_label_names(tmp_path):
   assert record["probabilities"]["negative"] > 0.5
 
 
-def _load_config(name):
-  return default_config.load(os.path.join(ROOT, "configs", f"{name}.py"))
+def _load_config(name, *args):
+  return default_config.load(os.path.join(ROOT, "configs", f"{name}.py"), *args)
 
 
 @pytest.mark.parametrize("name,folder", [("multi30k", "multi30k"), ("sst2", "sst2"),
@@ -175,6 +177,125 @@ def test_every_config_file_loads_and_builds_its_model():
       family = families.get(config)
       shapes = jax.eval_shape(lambda f=family: f.init_params(jax.random.PRNGKey(0)))
       assert jax.tree.leaves(shapes), path
+
+
+# Every config with a Hugging Face Hub variant: (config, its ':' argument, the Hub id).
+HUB_VARIANTS = [
+    ("wmt14_en_de", "hub", "wmt/wmt14"), ("wmt14_de_en", "hub", "wmt/wmt14"),
+    ("cnn_dailymail", "hub", "abisee/cnn_dailymail"), ("dialogsum", "hub", "knkarthick/dialogsum"),
+    ("sst2", "hub", "stanfordnlp/sst2"), ("imdb_reviews", "hub", "stanfordnlp/imdb"),
+    ("uit_vsfc", "hub", "uitnlp/vietnamese_students_feedback"),
+    ("multi30k", "hub", "bentrevett/multi30k"),
+    ("flan_t5_dialogsum", "base,hub", "knkarthick/dialogsum"),
+    ("gpt2_dialogsum", "hub", "knkarthick/dialogsum"),
+    ("bert_sst2", "hub,roberta", "stanfordnlp/sst2"),
+    ("xlmr_uit_vsfc", "phobert,hub", "uitnlp/vietnamese_students_feedback"),
+    ("opus_mt_multi30k", "hub", "bentrevett/multi30k"),
+    ("multi30k_gpu", "hub", "bentrevett/multi30k"),
+    ("dialogsum_decoder_only", "hub", "knkarthick/dialogsum"),
+    ("cnn_dailymail_decoder_only", "hub", "abisee/cnn_dailymail"),
+]
+
+
+def _hub_layouts():
+  """Each Hub dataset's columns and split names as its card gives them, a few rows a split
+  (train long enough for the configs' slices of it), every text starting with its field's
+  name: {Hub id: {split: Dataset}}."""
+  import datasets  # pylint: disable=import-outside-toplevel
+  text, classes = datasets.Value("string"), datasets.ClassLabel
+
+  def splits(names=("train", "validation", "test"), unlabelled=(), **features):
+    def row(split, i):
+      values = {}
+      for column, feature in features.items():
+        if isinstance(feature, datasets.Translation):
+          values[column] = {lang: f"{lang} {split} {i}" for lang in feature.languages}
+        elif isinstance(feature, classes):
+          values[column] = -1 if split in unlabelled else i % feature.num_classes
+        else:
+          values[column] = f"{column} {split} {i}" if feature == text else i
+      return values
+    return {name: datasets.Dataset.from_list([row(name, i) for i in range(size)],
+                                             features=datasets.Features(features))
+            for name, size in zip(names, (1200, 20, 20))}
+
+  return {
+      "wmt/wmt14": splits(translation=datasets.Translation(languages=["de", "en"])),
+      "abisee/cnn_dailymail": splits(article=text, highlights=text, id=text),
+      "knkarthick/dialogsum": splits(id=text, dialogue=text, summary=text, topic=text),
+      # GLUE's test labels are hidden (-1): the :hub splits never read them.
+      "stanfordnlp/sst2": splits(idx=datasets.Value("int32"), sentence=text,
+                                 label=classes(names=["negative", "positive"]),
+                                 unlabelled=("test",)),
+      "stanfordnlp/imdb": splits(("train", "test", "unsupervised"), ("unsupervised",),
+                                 text=text, label=classes(names=["neg", "pos"])),
+      "uitnlp/vietnamese_students_feedback": splits(
+          sentence=text, sentiment=classes(names=["negative", "neutral", "positive"]),
+          topic=classes(names=["lecturer", "training_program", "facility", "others"])),
+      # Files train / val / test: the library names the second split 'validation'.
+      "bentrevett/multi30k": splits(("train", "val", "test"), en=text, de=text),
+  }
+
+
+# What each :hub variant reads: the source field, and the target field or the class names.
+HUB_READS = {
+    "wmt14_en_de": ("en", "de"), "wmt14_de_en": ("de", "en"), "multi30k": ("en", "de"),
+    "cnn_dailymail": ("article", "highlights"), "dialogsum": ("dialogue", "summary"),
+    "sst2": ("sentence", ["negative", "positive"]), "imdb_reviews": ("text", ["neg", "pos"]),
+    "uit_vsfc": ("sentence", ["negative", "neutral", "positive"]),
+}
+
+
+@pytest.mark.parametrize("name,variant,hub_id", HUB_VARIANTS)
+def test_hub_variant_changes_only_where_the_data_comes_from(name, variant, hub_id):
+  plain = variant.replace("hub", "").strip(",")  # the same config without 'hub'
+  local, hub = _load_config(name, *[plain] if plain else []), _load_config(name, variant)
+  config_validation.validate(hub, 1)
+  assert hub.dataset == "huggingface" and hub.huggingface.name == hub_id
+  data_keys = ("dataset", "huggingface", "splits")
+  assert ({k: v for k, v in hub.to_dict().items() if k not in data_keys}
+          == {k: v for k, v in local.to_dict().items() if k not in data_keys})
+  roles = ("source", "label") if hub.task == "classification" else ("source", "target")
+  assert all(hub.huggingface.columns[role] for role in roles)
+
+
+def test_hub_variant_argument_keeps_the_old_ones_and_refuses_unknown_parts():
+  assert _load_config("bert_sst2", "roberta").pretrained == "FacebookAI/roberta-base"
+  assert _load_config("bert_sst2", "roberta").dataset == "local"
+  assert (_load_config("bert_sst2", "roberta,hub").to_dict()
+          == _load_config("bert_sst2", "hub,roberta").to_dict())
+  assert _load_config("flan_t5_dialogsum", "hub").pretrained == "google/flan-t5-small"
+  assert _load_config("wmt14_en_de").dataset == "tfds"
+  with pytest.raises(ValueError, match="Unknown config variant 'hbu'"):
+    _load_config("sst2", "hbu")
+  with pytest.raises(ValueError, match="gives the model twice"):
+    _load_config("xlmr_uit_vsfc", "xlmr,phobert")
+
+
+@pytest.mark.parametrize("name", sorted(HUB_READS))
+def test_hub_variant_reads_its_datasets_layout(name, tmp_path, monkeypatch):
+  """The :hub columns and split strings (slices of train included) read a local copy of the
+  Hub dataset's layout; nothing reaches the network."""
+  import datasets  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+  config = _load_config(name, "hub")
+  for split, data in _hub_layouts()[config.huggingface.name].items():
+    data.to_parquet(str(tmp_path / "data" / f"{split}.parquet"))
+  # A folder of files named by split: the Hub id's subset and revision do not apply to it.
+  config.huggingface.update(name=str(tmp_path / "data"), subset="", revision="")
+  source, target = HUB_READS[name]
+  hf_source.apply_label_names(config)
+  assert isinstance(target, str) or config.label_names == target
+  sizes = {}
+  for split in ("train", "validation", "test"):
+    examples, sizes[split] = hf_source.stream(config, split)
+    for example in examples:
+      assert example["source"].startswith(f"{source} ")
+      assert (example["target"].startswith(f"{target} ") if isinstance(target, str)
+              else 0 <= example["label"] < config.model.num_classes)
+  # Held-out slices of train where the Hub dataset has no labelled validation split.
+  assert tuple(sizes.values()) == {"sst2": (1200 - 872, 872, 20),
+                                   "imdb_reviews": (200, 1000, 20)}.get(name, (1200, 20, 20))
 
 
 def test_tokenizer_sample_is_seeded_uniform_and_streamed():

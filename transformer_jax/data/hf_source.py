@@ -137,14 +137,28 @@ def _saved(name: str):
   return saved
 
 
+def _saved_split(config: ml_collections.ConfigDict, split: str):
+  """A split of a save_to_disk folder, by name or in the library's slice syntax
+  ('train[:-872]', 'train[:5%]+validation'), as load_dataset reads them from the Hub."""
+  import datasets  # pylint: disable=g-import-not-at-top
+  saved, spec = _saved(config.huggingface.name), config.splits[split]
+  if spec in saved:
+    return saved[spec]
+  try:
+    parts = datasets.ReadInstruction.from_spec(spec).to_absolute(
+        {name: len(data) for name, data in saved.items()})
+  except (ValueError, AssertionError, KeyError):  # not a slice, or of a split not there
+    raise _split_error(config, split, saved) from None
+  return datasets.concatenate_datasets(
+      [saved[part.splitname].select(range(part.from_, part.to)) for part in parts])
+
+
 def _open(config: ml_collections.ConfigDict, split: str):
   import datasets  # pylint: disable=g-import-not-at-top
   h, dataset_split = config.huggingface, config.splits[split]
   kind = source_kind(h.name)
   if kind == "saved":  # memory-mapped already: `streaming` would add nothing
-    if dataset_split not in _saved(h.name):
-      raise _split_error(config, split, _saved(h.name))
-    return _saved(h.name)[dataset_split]
+    return _saved_split(config, split)
   if kind == "builder":
     args, kwargs = (h.name,), dict(data_files=_builder_files(config))
   elif kind == "folder" and workdir_lib.is_url(h.name):
