@@ -112,23 +112,36 @@ def _config_key(config: ml_collections.ConfigDict, split: str) -> str:
   return json.dumps([config.huggingface.to_dict(), config.splits[split]], sort_keys=True)
 
 
-_OPENED: dict[str, Any] = {}  # opened once per process: the tokenizer's sample, the encoding
-# and the checks all read the same split
+# Hub datasets and bucket copies, opened once per process: the checks, the tokenizer's sample
+# and the encoding all read the same split. Local data is opened anew each time (in
+# milliseconds), so that a split read through is not kept mapped for the whole run.
+_OPENED: dict[str, Any] = {}
 
 
 def open_split(config: ml_collections.ConfigDict, split: str):
   """Our `split` of the dataset: a `datasets.Dataset` (memory-mapped Arrow) or, with
   `streaming`, an `IterableDataset`. Library errors become one line that says what to do."""
+  name = config.huggingface.name
+  if name in BUILDERS or not (workdir_lib.is_url(name) or source_kind(name) == "hub"):
+    return _open(config, split)
   key = _config_key(config, split)
   if key not in _OPENED:
     _OPENED[key] = _open(config, split)
   return _OPENED[key]
 
 
-@functools.lru_cache(maxsize=4)
 def _saved(name: str):
-  """A save_to_disk folder, loaded once for all its splits (from a bucket it is copied to a
-  local temporary folder first, by the library)."""
+  """A save_to_disk folder; from a bucket, copied once to a local temporary folder (by the
+  library) for all its splits."""
+  return _saved_copy(name) if workdir_lib.is_url(name) else _load_saved(name)
+
+
+@functools.lru_cache(maxsize=4)
+def _saved_copy(name: str):
+  return _load_saved(name)
+
+
+def _load_saved(name: str):
   import datasets  # pylint: disable=g-import-not-at-top
   saved = datasets.load_from_disk(name)
   if isinstance(saved, datasets.Dataset):
