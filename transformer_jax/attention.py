@@ -1,7 +1,10 @@
 """Attention masks, scaled dot-product attention and multi-head attention with a KV cache.
 
-Shape letters: b = batch, q = query length, k = key/value length, h = heads, d = head dim.
-Masks are booleans, True = may attend, broadcastable to [b, h, q, k].
+Shape letters: b = batch, q = query length, k = key/value length, h = (query) heads, d = head
+dim; with grouped-query attention n = key/value heads and g = h / n query heads per key/value
+head (query head i reads key/value head i // g, as Hugging Face's `repeat_kv` and
+`jax.nn.dot_product_attention` group them). Masks are booleans, True = may attend,
+broadcastable to [b, h, q, k].
 """
 
 from __future__ import annotations
@@ -73,8 +76,24 @@ def _attend(scores: Array, value: Array, mask: Array | None, dropout_rate: float
   if dropout_rng is not None and dropout_rate > 0.0:
     keep, keep_prob = layers.dropout_keep_mask(dropout_rng, dropout_rate, weights.shape)
     attended = jnp.where(keep, weights / keep_prob, 0.0)
-  out = jnp.einsum("bhqk,bkhd->bqhd", attended.astype(value.dtype), value)  # [b, q, h, d]
-  return out, weights
+  attended = attended.astype(value.dtype)
+  batch, heads, num_queries, num_keys = attended.shape
+  kv_heads = value.shape[2]
+  if kv_heads == heads:
+    return jnp.einsum("bhqk,bkhd->bqhd", attended, value), weights  # [b, q, h, d]
+  # Grouped: each key/value head is read by its g query heads where it lies, not repeated.
+  grouped = attended.reshape(batch, kv_heads, heads // kv_heads, num_queries, num_keys)
+  out = jnp.einsum("bngqk,bknd->bqngd", grouped, value)  # [b, q, n, g, d]
+  return out.reshape(batch, num_queries, heads, value.shape[-1]), weights  # [b, q, h, d]
+
+
+def _check_groups(heads: int, kv_heads: int) -> int:
+  """Query heads per key/value head; ValueError unless kv_heads divides heads."""
+  if kv_heads < 1 or heads % kv_heads:
+    raise ValueError(f"{kv_heads} key/value heads do not divide {heads} query heads: "
+                     "grouped-query attention needs num_heads to be a multiple of "
+                     "num_kv_heads.")
+  return heads // kv_heads
 
 
 def dot_product_attention(query: Array, key: Array, value: Array, mask: Array | None = None, *,
@@ -83,10 +102,13 @@ def dot_product_attention(query: Array, key: Array, value: Array, mask: Array | 
                           scale: float | None = None):
   """softmax(Q K^T / sqrt(d) + bias + mask) V, per head.
 
+  Key and value may have fewer heads than the query (grouped-query attention; 1 head:
+  multi-query): n heads, n dividing h, each read by h / n query heads, without copies.
+
   Args:
     query: [b, q, h, d].
-    key: [b, k, h, d].
-    value: [b, k, h, d].
+    key: [b, k, h, d], or [b, k, n, d] (grouped).
+    value: like `key`.
     mask: boolean, broadcastable to [b, h, q, k]; True = may attend.
     return_weights: also return the attention weights [b, h, q, k].
     dropout_rate: dropout on the attention weights (needs `dropout_rng`).
@@ -99,7 +121,16 @@ def dot_product_attention(query: Array, key: Array, value: Array, mask: Array | 
     [b, q, h, d] outputs in `value.dtype`, and the float32 weights if `return_weights`.
   """
   # Scores and softmax in float32, whatever the activation dtype.
-  scores = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
+  batch, num_queries, heads, head_dim = query.shape
+  kv_heads = key.shape[2]
+  group = _check_groups(heads, kv_heads)
+  if group == 1:
+    scores = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
+  else:
+    grouped = query.reshape(batch, num_queries, kv_heads, group, head_dim)  # [b, q, n, g, d]
+    scores = jnp.einsum("bqngd,bknd->bngqk", grouped, key,
+                        preferred_element_type=jnp.float32)  # [b, n, g, q, k]
+    scores = scores.reshape(batch, heads, num_queries, key.shape[1])  # [b, h, q, k]
   scale = query.shape[-1] ** -0.5 if scale is None else scale
   scores = scores * jnp.float32(scale)  # [b, h, q, k]
   out, weights = _attend(scores, value, mask, dropout_rate, dropout_rng, bias)
@@ -123,7 +154,8 @@ def fused_attention(query: Array, key: Array, value: Array, mask: Array | None,
                     implementation: str, bias: Array | None = None,
                     scale: float | None = None) -> Array:
   """Dot-product attention through `jax.nn.dot_product_attention`: [b, q, h, d] like
-  `dot_product_attention`, without weights or dropout."""
+  `dot_product_attention`, without weights or dropout. Key/value [b, k, n, d] with fewer
+  heads than the query are grouped by jax.nn itself (n must divide h)."""
   implementation = fused_implementation(implementation)
   extra = {}  # only what is set: the call is the plain one otherwise
   if bias is not None:
@@ -147,6 +179,8 @@ def fused_attention(query: Array, key: Array, value: Array, mask: Array | None,
   out = jax.nn.dot_product_attention(query, key, value, mask=mask | empty[..., None],
                                      implementation="cudnn", **extra)
   mean = jnp.mean(value, axis=1, keepdims=True, dtype=jnp.float32).astype(out.dtype)
+  # Per query head (a grouped key/value head's mean serves its g query heads): [b, 1, h, d].
+  mean = jnp.repeat(mean, query.shape[2] // value.shape[2], axis=2)
   return jnp.where(empty[:, 0, :, None, None], mean, out)  # [b, q, h, d]
 
 
@@ -167,13 +201,24 @@ class MultiHeadAttention(nn.Module):
   except where the weights are needed: attention dropout in training, or weights captured in
   the 'intermediates' collection (see `models.attention_weights`).
 
-  In decode mode self-attention keys and values are kept in a 'cache' collection of
-  shape [b, h, max_len, d] (heads-major): a call with n new tokens writes them at `cache_index` and attends
-  causally over everything written so far, so a prefix is filled in one call and then extended
-  one token per call. The cache is created by an `init` in decode mode on inputs of the full
-  decode length. Cross-attention keys/values are projected once per source and kept in an
-  'encoded_kv' collection (`_encoded_key_value`); queries of several rows per source (beams)
-  attend to them without copies.
+  In decode mode self-attention keys and values are kept in a 'cache' collection of shape
+  [b, n, max_len, d] (heads-major; n = the key/value heads): a call with m new tokens writes
+  them at `cache_index` and attends causally over everything written so far, so a prefix is
+  filled in one call and then extended one token per call. The cache is created by an `init`
+  in decode mode on inputs of the full decode length. Cross-attention keys/values are
+  projected once per source and kept in an 'encoded_kv' collection (`_encoded_key_value`);
+  queries of several rows per source (beams) attend to them without copies.
+
+  `num_kv_heads` (None or 0: num_heads) fewer than `num_heads` is grouped-query attention
+  (Ainslie et al., 2023; 1: multi-query, Shazeer, 2019): the key/value projection 'kv' has
+  that many heads, each read by num_heads / num_kv_heads query heads, and so has the cache.
+  Self-attention then projects its queries ('query') apart from its keys and values; with as
+  many key/value heads as query heads it keeps the one fused 'qkv' projection (the same
+  parameters as plain multi-head attention).
+
+  `rope_base` (self-attention only) rotates queries and keys by their positions (rotary
+  embeddings, `layers.rotary_embedding`), before the keys are cached; the call's
+  `positions` [b|1, q] give them (required while decoding: the new tokens' positions).
 
   `use_bias` False drops the projections' biases and `scale_scores` False the 1/sqrt(d)
   factor (T5, which folds it into its query weights); a `bias` [b|1, h, q, k] passed to the
@@ -188,38 +233,60 @@ class MultiHeadAttention(nn.Module):
   kernel_init: Callable = nn.initializers.xavier_uniform()
   use_bias: bool = True
   scale_scores: bool = True
+  num_kv_heads: int | None = None
+  rope_base: float | None = None
 
   @nn.compact
   def __call__(self, inputs_q: Array, inputs_kv: Array, mask: Array | None = None, *,
-               deterministic: bool = True, decode: bool = False, bias: Array | None = None):
+               deterministic: bool = True, decode: bool = False, bias: Array | None = None,
+               positions: Array | None = None):
     if self.qkv_dim % self.num_heads:
       raise ValueError(f"qkv_dim={self.qkv_dim} must be divisible by num_heads={self.num_heads}.")
     head_dim = self.qkv_dim // self.num_heads
+    kv_heads = self.num_kv_heads or self.num_heads
+    group = _check_groups(self.num_heads, kv_heads)
+    # Fewer key/value heads get a logical name of their own: the jit layout splits them over
+    # the tensor axis when they divide it and keeps them whole otherwise (multi-query).
+    kv_axis = "heads" if group == 1 else "kv_heads"
     # Logical axis names of the parameters, mapped to mesh axes by the jit layout's rules.
-    projection = lambda parts, name: nn.DenseGeneral(
-        (parts, self.num_heads, head_dim), dtype=self.dtype, use_bias=self.use_bias,
-        kernel_init=_partitioned(self.kernel_init, ("embed", None, "heads", "kv")),
-        bias_init=_partitioned(nn.initializers.zeros_init(), (None, "heads", "kv")), name=name)
+    projection = lambda parts, heads, heads_axis, name: nn.DenseGeneral(
+        (parts, heads, head_dim), dtype=self.dtype, use_bias=self.use_bias,
+        kernel_init=_partitioned(self.kernel_init, ("embed", None, heads_axis, "kv")),
+        bias_init=_partitioned(nn.initializers.zeros_init(), (None, heads_axis, "kv")),
+        name=name)
+    self_attention = inputs_q is inputs_kv
     # Fused projections: one matmul for Q, K and V in self-attention (for K and V in
     # cross-attention) instead of three (two); measured in the README's performance section.
-    if inputs_q is inputs_kv:
-      qkv = projection(3, "qkv")(inputs_q)  # [b, q, 3, h, d]
+    if self_attention and group == 1:
+      qkv = projection(3, self.num_heads, "heads", "qkv")(inputs_q)  # [b, q, 3, h, d]
       query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [b, q, h, d]
     else:
-      query = projection(1, "query")(inputs_q)[:, :, 0]  # [b, q, h, d]
-      kv_projection = projection(2, "kv")
+      query = projection(1, self.num_heads, "heads", "query")(inputs_q)[:, :, 0]  # [b, q, h, d]
+      kv_projection = projection(2, kv_heads, kv_axis, "kv")
 
       def project():
-        kv = kv_projection(inputs_kv)  # [b, k, 2, h, d]
-        return kv[:, :, 0], kv[:, :, 1]  # each [b, k, h, d]
+        kv = kv_projection(inputs_kv)  # [b, k, 2, n, d]
+        return kv[:, :, 0], kv[:, :, 1]  # each [b, k, n, d]
 
-      key, value = self._encoded_key_value(project) if decode else project()
+      key, value = (self._encoded_key_value(project) if decode and not self_attention
+                    else project())
+
+    if self.rope_base is not None:
+      if not self_attention:
+        raise ValueError("Rotary position embeddings are for self-attention only.")
+      if positions is None:
+        if decode:
+          raise ValueError("Decoding with rotary embeddings needs the new tokens' positions.")
+        positions = jnp.arange(query.shape[1])[None, :]
+      query = layers.rotary_embedding(query, positions, self.rope_base)
+      key = layers.rotary_embedding(key, positions, self.rope_base)
 
     # Under the jit layout: heads split over the tensor axis, rows over data x fsdp (a no-op
     # without logical axis rules, as under pmap).
-    query, key, value = (nn.with_logical_constraint(x, ("batch", "length", "heads", "kv"))
-                         for x in (query, key, value))
-    if decode and inputs_q is inputs_kv:
+    query = nn.with_logical_constraint(query, ("batch", "length", "heads", "kv"))
+    key, value = (nn.with_logical_constraint(x, ("batch", "length", kv_axis, "kv"))
+                  for x in (key, value))
+    if decode and self_attention:
       key, value, mask = self._update_cache(key, value, mask)
     # Decoding several copies (beams, samples) of each source: their queries meet the one
     # copy of the source's keys/values as extra query positions, [b * c, q] -> [b, c * q].
@@ -242,6 +309,8 @@ class MultiHeadAttention(nn.Module):
                                              dropout_rate=self.dropout_rate,
                                              dropout_rng=dropout_rng, bias=bias, scale=scale)
       else:
+        # The learned scores have a weight per query head: grouped keys/values are repeated.
+        key, value = (jnp.repeat(x, group, axis=2) for x in (key, value))  # [b, k, h, d]
         scores = self._scores(query, key, head_dim)  # [b, h, q, k]
         out, weights = _attend(scores, value, mask, self.dropout_rate, dropout_rng, bias)
       if capture:

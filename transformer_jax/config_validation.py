@@ -76,6 +76,7 @@ RANGES = {
     "model.vocab_size": (8, None, True, True),
     "model.emb_dim": (1, None, True, True),
     "model.num_heads": (1, None, True, True),
+    "model.num_kv_heads": (0, None, True, True),
     "model.num_layers": (1, None, True, True),
     "model.qkv_dim": (1, None, True, True),
     "model.mlp_dim": (1, None, True, True),
@@ -149,7 +150,15 @@ def _cross_key_problems(config: ml_collections.ConfigDict,
   if m.attention_implementation == "cudnn" and m.dtype == "float32":
     found.append("config.model.attention_implementation='cudnn' needs config.model.dtype "
                  "'bfloat16' or 'float16' (cuDNN attention has no float32 kernel)")
+  if m.num_kv_heads and (m.num_kv_heads < 1 or m.num_heads % m.num_kv_heads):
+    found.append(f"config.model.num_kv_heads={m.num_kv_heads} must divide "
+                 f"config.model.num_heads={m.num_heads} (each key/value head serves an equal "
+                 "group of query heads; 1 = multi-query, 0 = num_heads)")
   head_dim = m.qkv_dim // m.num_heads
+  if m.position_embedding == "rope" and head_dim % 2:
+    found.append(f"config.model.position_embedding='rope' needs an even head dimension "
+                 f"(qkv_dim / num_heads = {head_dim}): rotary embeddings turn pairs of "
+                 "dimensions")
   if m.attention_implementation == "cudnn" and (head_dim % 8 or head_dim > 256):
     found.append(f"config.model.attention_implementation='cudnn' needs a head dimension "
                  f"(qkv_dim / num_heads = {head_dim}) that is a multiple of 8 and at most 256 "
@@ -165,7 +174,8 @@ def _cross_key_problems(config: ml_collections.ConfigDict,
                  "(tie_output=False) has its own bias with use_bias=True")
   if m.position_embedding == "relative" and families.name(config) == "decoder_only":
     found.append("config.model.position_embedding='relative' is for encoders and "
-                 "encoder-decoders; a decoder_only model takes 'sinusoidal' or 'learned'")
+                 "encoder-decoders; a decoder_only model takes 'sinusoidal', 'learned' or "
+                 "'rope'")
   if config.eval_split not in config.splits:
     found.append(f"config.eval_split={config.eval_split!r} is not a key of config.splits "
                  f"({', '.join(config.splits)})")

@@ -7,6 +7,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from transformer_jax import layers
 from transformer_jax import models
 
 # Dense peak TFLOP/s per chip from the vendors' data sheets: (bfloat16, float32).
@@ -27,17 +28,21 @@ def forward_flops(config: models.TransformerConfig, batch_size: int, source_len:
                   target_len: int) -> int:
   """Matmul FLOPs (2 per multiply-add) of one EncoderDecoder forward pass.
 
-  Counts the Q/K/V/output projections, attention scores and weighted sums (over the full,
-  padded lengths: that is what runs), the feed-forward network (three matrices when gated) and
-  the output logits. Embedding lookups are gathers, not matmuls; layer norms, softmax and
-  other elementwise work are left out, as is customary.
+  Counts the Q/K/V/output projections (K and V with grouped-query attention's fewer heads),
+  attention scores and weighted sums (over the full, padded lengths: that is what runs; per
+  query head, grouped or not), the feed-forward network (three matrices when gated) and the
+  output logits. Embedding lookups are gathers, not matmuls; rotary embeddings, layer norms,
+  softmax and other elementwise work are left out, as is customary.
   """
   e, q, f, v = config.emb_dim, config.qkv_dim, config.mlp_dim, config.vocab_size
   s, t = source_len, target_len
-  ffn = 2 * (3 if config.ffn_activation in ("geglu", "reglu") else 2) * e * f
-  encoder_layer = s * (2 * 4 * e * q + 2 * 2 * s * q + ffn)  # qkv+out, scores+values, ffn
-  decoder_layer = (t * (2 * 4 * e * q + 2 * 2 * t * q)  # self-attention
-                   + t * 2 * 2 * e * q + s * 2 * 2 * e * q  # cross: query+out, key+value
+  kv = q * (config.num_kv_heads or config.num_heads) // config.num_heads  # K (V) width
+  gated = layers.ACTIVATIONS.get(config.ffn_activation, (None, False))[1]
+  ffn = 2 * (3 if gated else 2) * e * f
+  projections = 2 * 2 * e * q + 2 * 2 * e * kv  # query + out, key + value
+  encoder_layer = s * (projections + 2 * 2 * s * q + ffn)  # projections, scores+values, ffn
+  decoder_layer = (t * (projections + 2 * 2 * t * q)  # self-attention
+                   + t * 2 * 2 * e * q + s * 2 * 2 * e * kv  # cross: query+out, key+value
                    + t * 2 * 2 * s * q  # cross scores + values
                    + t * ffn)
   logits = t * 2 * e * v

@@ -39,6 +39,39 @@ def sinusoidal_positions_halves(length: int, dim: int, base: float = 10000.0) ->
   return np.concatenate([table[:, 0::2], table[:, 1::2]], axis=1)
 
 
+def rotary_embedding(x: Array, positions: Array, base: float = 10000.0) -> Array:
+  """Rotary position embedding (RoPE; Su et al., 2021) of queries or keys.
+
+  Each head's dimension pair (i, i + d/2) is rotated by the angle position * base^(-2i/d),
+  so that a rotated query and key meet (q . k) through their positions' difference only. The
+  pairs are the half-split layout of GPT-NeoX and Hugging Face's LLaMA (`rotate_half`), not
+  the paper's adjacent pairs (2i, 2i+1): checkpoints in that layout then import without
+  permuting their query/key weights. The rotation covers the full head dimension (no partial
+  rotary fraction).
+
+  Args:
+    x: [b, len, h, d] queries or keys, d even.
+    positions: [b|1, len] integer positions (packed rows restart them per segment).
+    base: the frequencies' base (theta; 10000 in the paper and LLaMA).
+
+  Returns:
+    [b, len, h, d] in `x.dtype`; angles and rotation are computed in float32.
+  """
+  dim = x.shape[-1]
+  if dim % 2:
+    raise ValueError(f"Rotary embeddings need an even head dimension, not {dim}.")
+  half = dim // 2
+  inverse_frequencies = jnp.asarray(
+      base ** (-np.arange(half, dtype=np.float64) / half), jnp.float32)  # [d/2]
+  angles = positions.astype(jnp.float32)[..., None] * inverse_frequencies  # [b|1, len, d/2]
+  cos = jnp.cos(angles)[:, :, None, :]  # [b|1, len, 1, d/2]: the same for every head
+  sin = jnp.sin(angles)[:, :, None, :]
+  x32 = x.astype(jnp.float32)
+  first, second = x32[..., :half], x32[..., half:]  # [b, len, h, d/2] each
+  rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+  return rotated.astype(x.dtype)  # [b, len, h, d]
+
+
 def relative_position_buckets(relative_position: Array, *, bidirectional: bool,
                               num_buckets: int, max_distance: int) -> Array:
   """T5's bucket of each key position minus query position (Raffel et al., 2020).
@@ -158,18 +191,19 @@ class Dropout(nn.Module):
     return jnp.where(keep, x / jnp.asarray(keep_prob, x.dtype), jnp.zeros_like(x))
 
 
-POSITION_EMBEDDINGS = ("sinusoidal", "sinusoidal_halves", "learned", "relative")
+POSITION_EMBEDDINGS = ("sinusoidal", "sinusoidal_halves", "learned", "relative", "rope")
 
 
 class PositionEmbedding(nn.Module):
-  """Adds sinusoidal or learned position embeddings to token embeddings ('relative': none;
-the attention layers add a relative position bias instead).
+  """Adds sinusoidal or learned position embeddings to token embeddings ('relative' and
+  'rope': none; the attention layers add a relative position bias or rotate their queries
+  and keys instead).
 
   Positions are explicit for packed examples (`positions`), 0..len-1 otherwise. In decode mode
   a cache counter gives the absolute position of the tokens fed in this call.
   """
   max_len: int
-  kind: str = "sinusoidal"  # or "sinusoidal_halves", "learned", "relative"
+  kind: str = "sinusoidal"  # or "sinusoidal_halves", "learned", "relative", "rope"
   base: float = 10000.0
 
   @nn.compact
@@ -178,7 +212,7 @@ the attention layers add a relative position bias instead).
     """`decode_offset` [b]: in decode mode, row i's tokens sit offset[i] positions before
     their cache slots (a decoder-only model's right-padded prompts were filled in first)."""
     length, dim = x.shape[1], x.shape[2]
-    if self.kind == "relative":
+    if self.kind in ("relative", "rope"):
       return x
     if self.kind == "sinusoidal":
       table = jnp.asarray(sinusoidal_positions(self.max_len, dim, self.base))

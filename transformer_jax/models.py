@@ -38,6 +38,11 @@ class TransformerConfig:
   vocab_size: int = 32000
   emb_dim: int = 512
   num_heads: int = 8
+  # Key/value heads (grouped-query attention, Ainslie et al., 2023): each is shared by
+  # num_heads / num_kv_heads query heads, in every attention layer and the KV cache; 1 =
+  # multi-query attention, 0 (or None) = num_heads: plain multi-head attention, with exactly
+  # its parameters (self-attention's fused 'qkv'). Fewer: separate 'query' and 'kv' kernels.
+  num_kv_heads: int | None = 0
   num_layers: int = 6  # encoder layers, and decoder layers unless num_decoder_layers is set
   num_decoder_layers: int | None = None
   qkv_dim: int = 512
@@ -55,10 +60,13 @@ class TransformerConfig:
   ffn_activation: str = "relu"
   use_bias: bool = True  # biases in the attention and feed-forward projections (T5: none)
   scale_attention_scores: bool = True  # scores / sqrt(head_dim) (T5 folds it into weights)
-  # 'sinusoidal' (interleaved), 'sinusoidal_halves' ([sin | cos]: Marian), 'learned', or
-  # 'relative' (T5: a learned bias per relative-position bucket, added to attention scores)
+  # 'sinusoidal' (interleaved), 'sinusoidal_halves' ([sin | cos]: Marian), 'learned',
+  # 'relative' (T5: a learned bias per relative-position bucket, added to attention scores),
+  # or 'rope' (rotary embeddings, Su et al., 2021: self-attention queries and keys rotated by
+  # their positions, nothing added to the embeddings; the half-split GPT-NeoX / LLaMA layout
+  # over the whole head dimension, which must be even; see layers.rotary_embedding)
   position_embedding: str = "sinusoidal"
-  position_base: float = 10000.0
+  position_base: float = 10000.0  # the sinusoids' base n, or RoPE's base (theta)
   relative_attention_num_buckets: int = 32  # 'relative': buckets per direction pair
   relative_attention_max_distance: int = 128  # 'relative': distances beyond share a bucket
   relative_bias_per_layer: bool = False  # 'relative': a bias per layer (UMT5), not per stack
@@ -205,11 +213,16 @@ def _logits_dense(c: TransformerConfig) -> nn.Dense:
                                                          ("vocab",)))
 
 
-def _attention(c: TransformerConfig, name: str, score: str = "dot_product"):
+def _attention(c: TransformerConfig, name: str, score: str = "dot_product", *,
+               self_attention: bool = True):
+  """An attention layer of the config; rotary embeddings ('rope') in self-attention only."""
+  rotary = self_attention and c.position_embedding == "rope"
   return attention.MultiHeadAttention(c.num_heads, c.qkv_dim, c.attention_dropout_rate, c.dtype,
                                       score, c.attention_implementation,
                                       use_bias=c.use_bias,
-                                      scale_scores=c.scale_attention_scores, name=name)
+                                      scale_scores=c.scale_attention_scores,
+                                      num_kv_heads=c.num_kv_heads,
+                                      rope_base=c.position_base if rotary else None, name=name)
 
 
 def _ffn(c: TransformerConfig):
@@ -247,11 +260,13 @@ class EncoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, mask: Array | None, deterministic: bool,
-               bias: Array | None = None) -> Array:
+               bias: Array | None = None, positions: Array | None = None) -> Array:
+    """`positions` [b|1, len]: the tokens' positions for rotary embeddings ('rope')."""
     residual = lambda name: SublayerConnection(self.config, name=name)
     self_attention = _attention(self.config, "self_attention")
     x = residual("self_attention_block")(
-        x, lambda h: self_attention(h, h, mask, deterministic=deterministic, bias=bias),
+        x, lambda h: self_attention(h, h, mask, deterministic=deterministic, bias=bias,
+                                    positions=positions),
         deterministic=deterministic)
     ffn = _ffn(self.config)
     return residual("ffn_block")(x, lambda h: ffn(h, deterministic=deterministic),
@@ -265,16 +280,19 @@ class DecoderLayer(nn.Module):
   @nn.compact
   def __call__(self, y: Array, encoded: Array | None, self_mask: Array | None,
                cross_mask: Array | None, deterministic: bool, decode: bool,
-               bias: Array | None = None) -> Array:
+               bias: Array | None = None, positions: Array | None = None) -> Array:
+    """`positions` [b|1, len]: the tokens' positions for rotary embeddings ('rope'); while
+    decoding, those of the tokens fed in this call."""
     c = self.config
     residual = lambda name: SublayerConnection(c, name=name)
     self_attention = _attention(c, "self_attention")
     y = residual("self_attention_block")(
         y, lambda h: self_attention(h, h, self_mask, deterministic=deterministic, decode=decode,
-                                    bias=bias),
+                                    bias=bias, positions=positions),
         deterministic=deterministic)
     if encoded is not None:
-      cross_attention = _attention(c, "cross_attention", c.cross_attention_score)
+      cross_attention = _attention(c, "cross_attention", c.cross_attention_score,
+                                   self_attention=False)
       y = residual("cross_attention_block")(
           y, lambda h: cross_attention(h, encoded, cross_mask, deterministic=deterministic,
                                        decode=decode),
@@ -286,7 +304,7 @@ class DecoderLayer(nn.Module):
 
 class EncoderStack(nn.Module):
   """num_layers encoder layers on embedded inputs [b, len, emb]; `positions` [b, len] (packed
-  rows) matter only for a relative position bias."""
+  rows) matter only for a relative position bias or rotary embeddings."""
   config: TransformerConfig
 
   @nn.compact
@@ -295,24 +313,31 @@ class EncoderStack(nn.Module):
     c = self.config
     layer = _remat(EncoderLayer, c, static_argnums=(3,))  # `deterministic`, counting self
     biases = [None] * c.num_layers
+    positions = _stack_positions(x.shape[1], positions)
     if c.position_embedding == "relative":
-      positions = _stack_positions(x.shape[1], positions)
       biases = _relative_biases(c, c.num_layers, True, positions, positions)
+    rotary_positions = positions if c.position_embedding == "rope" else None
     for i in range(c.num_layers):
-      x = layer(c, name=f"layer_{i}")(residual_stream(x), mask, deterministic, biases[i])
+      x = layer(c, name=f"layer_{i}")(residual_stream(x), mask, deterministic, biases[i],
+                                      rotary_positions)
     if c.pre_ln if c.final_norm is None else c.final_norm:
       x = _layer_norm(c, "final_norm")(x)
     return x
 
 
 class DecoderStack(nn.Module):
-  """Decoder layers on embedded decoder inputs; `encoded` None = decoder-only."""
+  """Decoder layers on embedded decoder inputs; `encoded` None = decoder-only.
+
+  `positions` [b, len] (packed rows) matter only for a relative position bias or rotary
+  embeddings; while decoding, the cache counts positions instead, less each row's
+  `decode_offset` [b] (see layers.PositionEmbedding).
+  """
   config: TransformerConfig
 
   @nn.compact
   def __call__(self, y: Array, encoded: Array | None, self_mask: Array | None,
                cross_mask: Array | None, *, deterministic: bool, decode: bool,
-               positions: Array | None = None) -> Array:
+               positions: Array | None = None, decode_offset: Array | None = None) -> Array:
     c = self.config
     layer = _remat(DecoderLayer, c, static_argnums=(5, 6))  # deterministic, decode
     num_layers = c.num_decoder_layers or c.num_layers
@@ -320,9 +345,14 @@ class DecoderStack(nn.Module):
     if c.position_embedding == "relative":
       query_positions, key_positions = self._relative_positions(y, positions, decode)
       biases = _relative_biases(c, num_layers, False, query_positions, key_positions)
+    rotary_positions = None
+    if c.position_embedding == "rope":
+      # Keys are cached already rotated: decoding needs the new tokens' positions only.
+      rotary_positions = (self._decode_positions(y.shape[0], y.shape[1], decode_offset)[1]
+                          if decode else _stack_positions(y.shape[1], positions))
     for i in range(num_layers):
       y = layer(c, name=f"layer_{i}")(residual_stream(y), encoded, self_mask, cross_mask,
-                                      deterministic, decode, biases[i])
+                                      deterministic, decode, biases[i], rotary_positions)
     if c.pre_ln if c.final_norm is None else c.final_norm:
       y = _layer_norm(c, "final_norm")(y)
     return y
@@ -337,14 +367,28 @@ class DecoderStack(nn.Module):
     initialized = self.has_variable("cache", "cached_positions")
     cached = self.variable("cache", "cached_positions", jnp.zeros, (y.shape[0], length),
                            jnp.int32)
-    index = self.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
+    index, new = self._decode_positions(y.shape[0], length)
     if not initialized:  # the init pass only creates the cache
-      return _stack_positions(length, None), _stack_positions(length, None)
-    new = jnp.broadcast_to(index.value + jnp.arange(length, dtype=jnp.int32),
-                           (y.shape[0], length))  # [b, len]
-    cached.value = jax.lax.dynamic_update_slice(cached.value, new, (0, index.value))
-    index.value = index.value + length
+      return new, new
+    cached.value = jax.lax.dynamic_update_slice(cached.value, new, (0, index))
     return new, cached.value
+
+  def _decode_positions(self, batch_size: int, length: int,
+                        decode_offset: Array | None = None) -> tuple[Array, Array]:
+    """While decoding: (the first cache slot this call writes, the absolute positions
+    [b, len] of the tokens it feeds), from a counter in the cache that every row (beam)
+    shares, less each row's `decode_offset`. The init pass that creates the cache gives
+    0..len-1 and leaves the counter at 0."""
+    initialized = self.has_variable("cache", "position_index")
+    index = self.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
+    start = index.value
+    if initialized:
+      index.value = start + length
+    new = jnp.broadcast_to(start + jnp.arange(length, dtype=jnp.int32),
+                           (batch_size, length))  # [b, len]
+    if decode_offset is not None:
+      new = new - decode_offset[:, None].astype(jnp.int32)
+    return start, new
 
 
 class TokenEmbedding(nn.Module):
@@ -516,7 +560,7 @@ class DecoderOnly(nn.Module):
                        decode_offset=decode_offset)
     y = self.dropout(self.embedding_norm(y), deterministic=deterministic)
     y = self.decoder(y, None, mask, None, deterministic=deterministic, decode=decode,
-                     positions=positions)
+                     positions=positions, decode_offset=decode_offset)
     return _output_logits(self, self.embedding, y)
 
 

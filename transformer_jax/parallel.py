@@ -30,14 +30,18 @@ AXIS = "batch"  # the pmap axis name that collectives reduce over
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # The default `config.parallel.logical_axis_rules`: logical axis name -> mesh axes. Parameters
-# are created with vocab / embed / heads / kv / mlp names (`nn.with_logical_partitioning` in
-# models.py, attention.py, layers.py); activations are constrained with batch / length /
-# heads / kv / mlp (their embedding dimension stays whole: see models.residual_stream).
+# are created with vocab / embed / heads / kv_heads / kv / mlp names
+# (`nn.with_logical_partitioning` in models.py, attention.py, layers.py); activations are
+# constrained with batch / length / heads / kv_heads / kv / mlp (their embedding dimension
+# stays whole: see models.residual_stream). kv_heads are grouped-query attention's fewer
+# key/value heads; a parameter dimension that does not divide its mesh axes stays whole
+# (multi-query's one head: `MeshParallel._sharding`).
 LOGICAL_RULES = (
     ("batch", ("data", "fsdp")),
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("heads", "tensor"),
+    ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("kv", None),
     ("length", None),
