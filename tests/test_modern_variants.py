@@ -29,6 +29,9 @@ VARIANTS = {
     "rope_gqa_swiglu": dict(position_embedding="rope", num_kv_heads=2, ffn_activation="swiglu"),
     "rope_mqa_swiglu": dict(position_embedding="rope", num_kv_heads=1, ffn_activation="swiglu"),
 }
+# Every option alone and all together, for the tests run per variant (the suite's time is
+# budgeted: "gqa" and "rope_mqa_swiglu" are covered by the grouped-attention tests below).
+EACH_OPTION = ("rope", "mqa", "rope_gqa_swiglu")
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -123,7 +126,7 @@ def test_rope_rotates_self_attention_only():
         jax.random.PRNGKey(0), jnp.ones((1, 3, 16)), jnp.ones((1, 4, 16)))
 
 
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("name", EACH_OPTION)
 def test_packed_segments_do_not_interact(name):
   # RoPE positions restart with every packed segment, as the *_position arrays say.
   config = SMALL.replace(**VARIANTS[name])
@@ -151,7 +154,7 @@ def test_packed_segments_do_not_interact(name):
                                                          deterministic=True), **TOL)
 
 
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("name", EACH_OPTION)
 def test_classifier_is_padding_invariant(name):
   model = models.EncoderClassifier(SMALL.replace(num_classes=3, **VARIANTS[name]))
   inputs = jnp.array([[5, 9, 12, 1, 0, 0], [7, 8, 1, 0, 0, 0]])
@@ -164,7 +167,7 @@ def test_classifier_is_padding_invariant(name):
 
 # ---- Cached decoding equals the full forward pass ------------------------------------------
 
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("name", EACH_OPTION)
 def test_encoder_decoder_cached_decoding_equals_full_forward(name):
   # Padded sources and targets, two rows (beams) per source reading one copy of its
   # cross-attention keys/values; the self-attention cache and RoPE positions are per row.
@@ -187,7 +190,7 @@ def test_encoder_decoder_cached_decoding_equals_full_forward(name):
                                np.asarray(full[:, t])[valid[:, t]], **TOL)
 
 
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("name", EACH_OPTION)
 def test_decoder_only_prefix_fill_then_steps_equals_full_forward(name):
   model = models.DecoderOnly(SMALL.replace(**VARIANTS[name]))
   params = _init(model, (1, 8))
@@ -208,7 +211,7 @@ def test_decoder_only_prefix_fill_then_steps_equals_full_forward(name):
                              np.asarray(full)[valid], **TOL)
 
 
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("name", EACH_OPTION)
 def test_decoder_only_padded_prompts_and_copies_decode_like_the_full_forward(name):
   # The family's own decoding start: right-padded prompts `SOURCE <eos>` of different lengths
   # fill the cache together, then each row continues from its own length (decode_offset);
