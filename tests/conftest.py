@@ -37,6 +37,25 @@ def make_tiny_config(cache_dir: str):
   return config
 
 
+def decode_in_pieces(model, params, tokens, pieces):
+  """A decoder-only `model`'s logits for `tokens` [b, len] fed through its KV cache in the
+  (start, stop) `pieces` (a prompt filled in one call, then a few tokens at a time), to
+  compare with one full forward pass."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from transformer_jax import models  # pylint: disable=import-outside-toplevel
+  inputs = models.shift_right(tokens, model.config.bos_id)
+  cache = jax.tree.map(jnp.zeros_like, model.init(
+      jax.random.PRNGKey(0), jnp.ones(tokens.shape, jnp.int32), deterministic=True,
+      decode=True)["cache"])
+  outputs = []
+  for start, stop in pieces:
+    logits, variables = model.apply({"params": params, "cache": cache}, inputs[:, start:stop],
+                                    deterministic=True, decode=True, mutable=["cache"])
+    cache = variables["cache"]
+    outputs.append(logits)
+  return jnp.concatenate(outputs, axis=1)
+
+
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory):
   return str(tmp_path_factory.mktemp("demo_cache"))

@@ -14,6 +14,7 @@ from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax import train
 from transformer_jax.data import demo
 from transformer_jax.data import pipeline
+from tests.conftest import decode_in_pieces
 from tests.conftest import make_tiny_config
 
 SMALL = models.TransformerConfig(vocab_size=40, emb_dim=16, num_heads=2, num_layers=2,
@@ -53,17 +54,9 @@ def test_decoder_only_cache_with_prefix_fill_equals_full_forward():
   model, params = _decoder_only()
   tokens = jnp.array([[11, 4, 13, 1, 21, 3, 7, 1], [6, 17, 30, 9, 1, 8, 1, 5]])
   full = model.apply({"params": params}, tokens, deterministic=True)
-  inputs = models.shift_right(tokens, SMALL.bos_id)
-  cache = jax.tree.map(jnp.zeros_like, model.init(
-      jax.random.PRNGKey(0), jnp.ones((2, 8), jnp.int32), deterministic=True,
-      decode=True)["cache"])
-  outputs = []
-  for start, stop in [(0, 4), (4, 5), (5, 6), (6, 8)]:  # prompt of 4, then 1, 1 and 2 tokens
-    logits, variables = model.apply({"params": params, "cache": cache}, inputs[:, start:stop],
-                                    deterministic=True, decode=True, mutable=["cache"])
-    cache = variables["cache"]
-    outputs.append(logits)
-  np.testing.assert_allclose(jnp.concatenate(outputs, axis=1), full, rtol=1e-5, atol=1e-5)
+  # A prompt of 4, then 1, 1 and 2 tokens.
+  pieces = decode_in_pieces(model, params, tokens, [(0, 4), (4, 5), (5, 6), (6, 8)])
+  np.testing.assert_allclose(pieces, full, rtol=1e-5, atol=1e-5)
 
 
 def test_decoder_only_has_no_future_leakage_and_ignores_padding():

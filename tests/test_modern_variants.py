@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.conftest import decode_in_pieces
 from transformer_jax import attention
 from transformer_jax import commands
 from transformer_jax import config_validation
@@ -196,19 +197,10 @@ def test_decoder_only_prefix_fill_then_steps_equals_full_forward(name):
   params = _init(model, (1, 8))
   tokens = jnp.array([[11, 4, 13, 1, 21, 3, 7, 1], [6, 17, 30, 9, 1, 8, 1, 0]])
   full = model.apply({"params": params}, tokens, deterministic=True)
-  inputs = models.shift_right(tokens, SMALL.bos_id)
-  cache = jax.tree.map(jnp.zeros_like, model.init(
-      jax.random.PRNGKey(0), jnp.ones((2, 8), jnp.int32), deterministic=True,
-      decode=True)["cache"])
-  outputs = []
-  for start, stop in [(0, 4), (4, 5), (5, 6), (6, 8)]:  # prompt of 4, then 1, 1 and 2 tokens
-    logits, variables = model.apply({"params": params, "cache": cache}, inputs[:, start:stop],
-                                    deterministic=True, decode=True, mutable=["cache"])
-    cache = variables["cache"]
-    outputs.append(logits)
+  # A prompt of 4, then 1, 1 and 2 tokens.
+  pieces = decode_in_pieces(model, params, tokens, [(0, 4), (4, 5), (5, 6), (6, 8)])
   valid = np.asarray(tokens) > 0
-  np.testing.assert_allclose(np.asarray(jnp.concatenate(outputs, axis=1))[valid],
-                             np.asarray(full)[valid], **TOL)
+  np.testing.assert_allclose(np.asarray(pieces)[valid], np.asarray(full)[valid], **TOL)
 
 
 @pytest.mark.parametrize("name", EACH_OPTION)
