@@ -17,6 +17,7 @@ import ml_collections
 from transformer_jax import families
 from transformer_jax import layers
 from transformer_jax import parallel
+from transformer_jax.data import hf_source
 
 CHOICES = {
     "task": ("translation", "summarization", "classification", "multitask"),
@@ -279,7 +280,7 @@ def _huggingface_problems(config: ml_collections.ConfigDict) -> list[str]:
   if importlib.util.find_spec("datasets") is None:
     found.append("config.dataset='huggingface' needs the datasets library: pip install "
                  "'transformer_jax[hf]' (or pip install datasets)")
-  builder = h.name in ("parquet", "json", "csv", "arrow", "text")
+  builder = h.name in hf_source.BUILDERS
   if builder and not h.data_files.train:
     found.append(f"config.huggingface.name={h.name!r} reads files: set "
                  "config.huggingface.data_files.train (and .validation / .test) to paths or globs")

@@ -122,11 +122,12 @@ def open_split(config: ml_collections.ConfigDict, split: str):
   """Our `split` of the dataset: a `datasets.Dataset` (memory-mapped Arrow) or, with
   `streaming`, an `IterableDataset`. Library errors become one line that says what to do."""
   name = config.huggingface.name
-  if name in BUILDERS or not (workdir_lib.is_url(name) or source_kind(name) == "hub"):
-    return _open(config, split)
+  kind = source_kind(name)
+  if not (kind == "hub" or (kind != "builder" and workdir_lib.is_url(name))):
+    return _open(config, split, kind)
   key = _config_key(config, split)
   if key not in _OPENED:
-    _OPENED[key] = _open(config, split)
+    _OPENED[key] = _open(config, split, kind)
   return _OPENED[key]
 
 
@@ -166,10 +167,9 @@ def _saved_split(config: ml_collections.ConfigDict, split: str):
       [saved[part.splitname].select(range(part.from_, part.to)) for part in parts])
 
 
-def _open(config: ml_collections.ConfigDict, split: str):
+def _open(config: ml_collections.ConfigDict, split: str, kind: str):
   import datasets  # pylint: disable=g-import-not-at-top
   h, dataset_split = config.huggingface, config.splits[split]
-  kind = source_kind(h.name)
   if kind == "saved":  # memory-mapped already: `streaming` would add nothing
     return _saved_split(config, split)
   if kind == "builder":
@@ -205,14 +205,10 @@ def _open(config: ml_collections.ConfigDict, split: str):
 
 # ---- Fields --------------------------------------------------------------------------------
 
-def _features(data) -> dict | None:
-  return data.features  # None for a stream whose files declare no schema
-
-
 def _field_path(config: ml_collections.ConfigDict, role: str, features: dict | None,
                 split: str) -> list[str]:
   """The path of the `role` field ('translation.en' -> ['translation', 'en']), checked against
-  the split's features when it has them."""
+  the split's features when it has them (a stream whose files declare no schema has none)."""
   given = config.huggingface.columns[role]
   columns = sorted(features or {})
   if not given:
@@ -249,7 +245,7 @@ def class_names(config: ml_collections.ConfigDict, split: str = "train") -> list
   """The label column's ClassLabel names, or None when it holds plain ints or strings."""
   import datasets  # pylint: disable=g-import-not-at-top
   data = open_split(config, split)
-  features = _features(data)
+  features = data.features
   path = _field_path(config, "label", features, split)
   feature = features.get(path[0]) if features and len(path) == 1 else None
   return list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
@@ -283,7 +279,7 @@ def check(config: ml_collections.ConfigDict, splits) -> None:
   for split in splits:
     data = open_split(config, split)
     for role in roles:
-      _field_path(config, role, _features(data), split)
+      _field_path(config, role, data.features, split)
 
 
 def _label(value, names: list[str], config, split: str) -> int:
@@ -344,7 +340,7 @@ def stream(config: ml_collections.ConfigDict, split: str, shard_index: int = 0,
   data = open_split(config, split)
   classify = config.task == "classification"
   roles = ("source", "label") if classify else ("source", "target")
-  paths = {role: _field_path(config, role, _features(data), split) for role in roles}
+  paths = {role: _field_path(config, role, data.features, split) for role in roles}
   names = list(config.label_names)
   if isinstance(data, datasets.Dataset):  # memory-mapped Arrow, read by index
     rows = _rows_of_table(data, paths, shard_index, shard_count)
@@ -367,9 +363,9 @@ def stream(config: ml_collections.ConfigDict, split: str, shard_index: int = 0,
   return examples(), total
 
 
-def local_files(config: ml_collections.ConfigDict) -> list[str]:
-  """The local files the dataset is read from (for the token cache's key), [] for the Hub
-  and buckets, whose revision is the config's to pin."""
+def local_paths(config: ml_collections.ConfigDict) -> list[str]:
+  """The local files and folders the dataset is read from (for the token cache's key), [] for
+  the Hub and buckets, whose revision is the config's to pin."""
   h = config.huggingface
   if h.name in BUILDERS:
     import glob  # pylint: disable=g-import-not-at-top
@@ -377,5 +373,5 @@ def local_files(config: ml_collections.ConfigDict) -> list[str]:
                   for p in patterns.split(",") if p.strip() and not workdir_lib.is_url(p)
                   for path in glob.glob(p.strip(), recursive=True))
   if not workdir_lib.is_url(h.name) and os.path.isdir(h.name):
-    return sorted(os.path.join(root, n) for root, _, names in os.walk(h.name) for n in names)
+    return [h.name]
   return []

@@ -53,8 +53,9 @@ def key(config: ml_collections.ConfigDict, family_name: str, feature_lengths: di
     data["files"] = _data_files(config.data_dir)
   if config.get("dataset") == "huggingface":
     from transformer_jax.data import hf_source  # pylint: disable=g-import-not-at-top
-    data["hf_files"] = [(path, os.stat(path).st_size, os.stat(path).st_mtime_ns)
-                        for path in hf_source.local_files(config)]
+    data["hf_files"] = [(path, _data_files(path)) if os.path.isdir(path) else
+                        (path, os.stat(path).st_size, os.stat(path).st_mtime_ns)
+                        for path in hf_source.local_paths(config)]
   description = json.dumps(dict(data=data, family=family_name, split=split,
                                  lengths=feature_lengths,
                                  tokenizer=hashlib.sha256(tokenizer_proto).hexdigest()),
