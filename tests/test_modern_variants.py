@@ -1,5 +1,6 @@
 """Modern model options in every family and in cached decoding: rotary position embeddings
-('rope'), grouped-query and multi-query attention (`num_kv_heads`), SwiGLU."""
+('rope'), grouped-query and multi-query attention (`num_kv_heads`), SwiGLU, and the
+decoder-only prefix LM with its loss on the weighted positions only."""
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ from transformer_jax import default_config
 from transformer_jax import families
 from transformer_jax import flops
 from transformer_jax import layers
+from transformer_jax import metrics
 from transformer_jax import models
 from transformer_jax import parallel
 from transformer_jax import train
@@ -29,10 +31,13 @@ VARIANTS = {
     "mqa": dict(num_kv_heads=1),
     "rope_gqa_swiglu": dict(position_embedding="rope", num_kv_heads=2, ffn_activation="swiglu"),
     "rope_mqa_swiglu": dict(position_embedding="rope", num_kv_heads=1, ffn_activation="swiglu"),
+    "prefix_lm": dict(prefix_lm=True),
+    "prefix_rope_gqa": dict(prefix_lm=True, position_embedding="rope", num_kv_heads=2),
 }
 # Every option alone and all together, for the tests run per variant (the suite's time is
 # budgeted: "gqa" and "rope_mqa_swiglu" are covered by the grouped-attention tests below).
 EACH_OPTION = ("rope", "mqa", "rope_gqa_swiglu")
+DECODER_ONLY_OPTIONS = EACH_OPTION + ("prefix_lm", "prefix_rope_gqa")
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -203,7 +208,7 @@ def test_decoder_only_prefix_fill_then_steps_equals_full_forward(name):
   np.testing.assert_allclose(np.asarray(pieces)[valid], np.asarray(full)[valid], **TOL)
 
 
-@pytest.mark.parametrize("name", EACH_OPTION)
+@pytest.mark.parametrize("name", DECODER_ONLY_OPTIONS)
 def test_decoder_only_padded_prompts_and_copies_decode_like_the_full_forward(name):
   # The family's own decoding start: right-padded prompts `SOURCE <eos>` of different lengths
   # fill the cache together, then each row continues from its own length (decode_offset);
@@ -225,7 +230,9 @@ def test_decoder_only_padded_prompts_and_copies_decode_like_the_full_forward(nam
   for row in range(4):
     prompt = prompts[row // 2]
     sequence = jnp.array([prompt + continuations[row // 2][row % 2] + [1]])
-    full = family.model.apply({"params": params}, sequence, deterministic=True)
+    prefix = jnp.arange(sequence.shape[1])[None] < len(prompt)  # read both ways by a prefix LM
+    full = family.model.apply({"params": params}, sequence, None, None, prefix,
+                              deterministic=True)
     # Feeding EOS (the prompt's last token) predicts the first output token, as in training.
     np.testing.assert_allclose(stepwise[row], full[0, len(prompt):], **TOL)
 
@@ -242,6 +249,94 @@ def test_beam_search_runs_with_rope_and_multi_query_attention(architecture):
                               decoding_config=decoding_config, nbest=2)
   assert ids.shape == (2, 2, 5) and scores.shape == (2, 2)
   assert np.all(np.isfinite(scores)) and np.all(np.diff(scores, axis=1) <= 0)
+
+
+# ---- Prefix LM and the loss on weighted positions --------------------------------------------
+
+def test_prefix_lm_mask_is_bidirectional_exactly_over_the_prefix():
+  # Two packed examples, prefixes of 3 and 2 tokens, then padding: a query sees a key iff
+  # both are in one segment and (the key is not later, or both are in its prefix).
+  model = models.DecoderOnly(SMALL.replace(prefix_lm=True))
+  params = _init(model, (1, 9))
+  tokens = jnp.array([[5, 9, 1, 11, 1, 7, 1, 6, 0]])
+  segments = np.array([1, 1, 1, 1, 1, 2, 2, 2, 0])
+  prefix = np.array([1, 1, 1, 0, 0, 1, 1, 0, 0], bool)
+  positions = jnp.array([[0, 1, 2, 3, 4, 0, 1, 2, 0]])
+  weights = models.attention_weights(model, params, tokens, positions, jnp.asarray([segments]),
+                                     jnp.asarray([prefix]))
+  q, k = np.arange(9)[:, None], np.arange(9)[None, :]
+  expected = ((segments[:, None] == segments[None, :]) & (segments[None, :] > 0)
+              & ((k <= q) | (prefix[:, None] & prefix[None, :])))
+  for name, layer_weights in weights.items():
+    seen = np.asarray(layer_weights[0] > 0)  # [heads, q, k]
+    np.testing.assert_array_equal(seen[:, :8], np.broadcast_to(expected[:8], (4, 8, 9)), name)
+  # Without prefix_lm the same call is causal.
+  causal = models.DecoderOnly(SMALL)
+  weights = models.attention_weights(causal, params, tokens, positions, jnp.asarray([segments]),
+                                     jnp.asarray([prefix]))
+  seen = np.asarray(weights["decoder/layer_0/self_attention"][0, 0] > 0)
+  np.testing.assert_array_equal(seen[:8], (expected & (k <= q))[:8])
+
+
+@pytest.mark.parametrize("name", ["prefix_lm", "prefix_rope_gqa"])
+def test_prefix_lm_packed_rows_equal_each_example_alone(name):
+  model = models.DecoderOnly(SMALL.replace(**VARIANTS[name]))
+  params = _init(model, (1, 10))
+  first, second = [5, 9, 1, 11, 4, 1], [7, 1, 6, 1]  # SOURCE <eos> TARGET <eos>
+  first_prefix, second_prefix = [1, 1, 1, 0, 0, 0], [1, 1, 0, 0]
+  packed = model.apply({"params": params}, jnp.array([first + second]),
+                       jnp.array([list(range(6)) + list(range(4))]),
+                       jnp.array([[1] * 6 + [2] * 4]),
+                       jnp.array([first_prefix + second_prefix], bool), deterministic=True)
+  alone = lambda tokens, prefix: model.apply({"params": params}, jnp.array([tokens]), None, None,
+                                             jnp.array([prefix], bool), deterministic=True)
+  np.testing.assert_allclose(packed[:, :6], alone(first, first_prefix), **TOL)
+  np.testing.assert_allclose(packed[:, 6:], alone(second, second_prefix), **TOL)
+
+
+def _loss_and_grads(family, score_outputs, params, batch):
+  def score(logits, labels, weights):
+    loss = metrics.smoothed_cross_entropy(logits, labels, 0.1)
+    return jnp.sum(loss * weights), metrics.token_metrics(logits, labels, weights)
+
+  loss_fn = lambda p: score_outputs(family, p, batch, score, deterministic=True)
+  return jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_loss_on_weighted_positions_only_equals_the_full_computation(tiny_config, packed):
+  # The decoder-only family scores logits gathered at the weighted positions; the base
+  # class scores all of them. Unpacked rows fit the budget of rows x max_target_length;
+  # packed rows of many short examples weigh more and take the full computation instead.
+  tiny_config.architecture = "decoder_only"
+  tiny_config.update(max_source_length=6, max_target_length=4)
+  tiny_config.model.update(prefix_lm=True, vocab_size=40, max_len=12, emb_dim=16, qkv_dim=16,
+                           mlp_dim=32, num_heads=2, num_layers=1)
+  family = families.get(tiny_config)
+  params = family.init_params(jax.random.PRNGKey(0))
+  examples = [([5, 9], [11, 4, 13]), ([7], [6]), ([20, 21, 22, 23], [3]), ([8], [9, 10])]
+  rows = [family._features(source, target) for source, target in examples]
+  if packed:  # two rows (a budget of 2 x 4 weighted tokens): examples 0 + 1, 2 + 3
+    rows = [{k: np.concatenate([a[k], b[k]]) for k in a} for a, b in (rows[:2], rows[2:])]
+  width = 12
+  batch = {k: jnp.array([np.pad(r[k], (0, width - len(r[k]))) for r in rows]) for k in rows[0]}
+  if packed:
+    lengths = [(len(family._features(*examples[i])["targets"])) for i in range(4)]
+    segment = lambda a, b: [1] * a + [2] * b + [0] * (width - a - b)
+    position = lambda a, b: list(range(a)) + list(range(b)) + [0] * (width - a - b)
+    batch["targets_segmentation"] = jnp.array([segment(*lengths[:2]), segment(*lengths[2:])])
+    batch["targets_position"] = jnp.array([position(*lengths[:2]), position(*lengths[2:])])
+  weighted = int(jnp.sum(batch["weights"] > 0))
+  assert (weighted > len(rows) * 4) == packed  # over the budget exactly when packed
+  (loss, sums), grads = _loss_and_grads(family, type(family).score_outputs, params, batch)
+  (full_loss, full_sums), full_grads = _loss_and_grads(family, families.Family.score_outputs,
+                                                       params, batch)
+  np.testing.assert_allclose(loss, full_loss, rtol=1e-6)
+  assert float(sums["denominator"]) == weighted == float(full_sums["denominator"])
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), sums,
+               full_sums)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads,
+               full_grads)
 
 
 # ---- Grouped-query attention ----------------------------------------------------------------
@@ -410,6 +505,7 @@ def test_key_value_heads_split_over_the_tensor_axis_when_they_divide_it(tiny_con
      "'rope' needs an even head dimension"),
     (dict(position_embedding="rotary"), "is not one of sinusoidal, sinusoidal_halves, "
                                         "learned, relative, rope"),
+    (dict(prefix_lm=True), "prefix_lm=True is for config.architecture='decoder_only'"),
 ])
 def test_config_validation_names_bad_options(tiny_config, overrides, message):
   tiny_config.model.update(overrides)
@@ -438,10 +534,11 @@ def test_flops_count_the_smaller_key_value_projections():
   assert extra == (3 + 2) * 2 * 4 * 8  # the gate's matmul
 
 
-def test_decoder_only_with_rope_mqa_swiglu_trains_and_evaluates(tmp_path, tiny_config):
+def test_prefix_lm_with_rope_mqa_swiglu_trains_packed_and_evaluates(tmp_path, tiny_config):
   tiny_config.architecture = "decoder_only"
+  tiny_config.pack_examples = True
   tiny_config.model.update(position_embedding="rope", num_kv_heads=1, ffn_activation="swiglu",
-                           max_len=64)
+                           prefix_lm=True, max_len=64)
   tiny_config.decoding.update(beam_size=2, max_decode_len=12)
   tiny_config.num_generate_examples = 4
   workdir = str(tmp_path)

@@ -220,6 +220,9 @@ class MultiHeadAttention(nn.Module):
   embeddings, `layers.rotary_embedding`), before the keys are cached; the call's
   `positions` [b|1, q] give them (required while decoding: the new tokens' positions).
 
+  `prefix_fill` (decode mode) makes the call's new tokens see each other both ways: a
+  prefix LM's prompt, filled in one call as its training reads the source part.
+
   `use_bias` False drops the projections' biases and `scale_scores` False the 1/sqrt(d)
   factor (T5, which folds it into its query weights); a `bias` [b|1, h, q, k] passed to the
   call is added to the scores (T5's relative position bias).
@@ -239,7 +242,7 @@ class MultiHeadAttention(nn.Module):
   @nn.compact
   def __call__(self, inputs_q: Array, inputs_kv: Array, mask: Array | None = None, *,
                deterministic: bool = True, decode: bool = False, bias: Array | None = None,
-               positions: Array | None = None):
+               positions: Array | None = None, prefix_fill: bool = False):
     if self.qkv_dim % self.num_heads:
       raise ValueError(f"qkv_dim={self.qkv_dim} must be divisible by num_heads={self.num_heads}.")
     head_dim = self.qkv_dim // self.num_heads
@@ -287,7 +290,7 @@ class MultiHeadAttention(nn.Module):
     key, value = (nn.with_logical_constraint(x, ("batch", "length", kv_axis, "kv"))
                   for x in (key, value))
     if decode and self_attention:
-      key, value, mask = self._update_cache(key, value, mask)
+      key, value, mask = self._update_cache(key, value, mask, prefix_fill)
     # Decoding several copies (beams, samples) of each source: their queries meet the one
     # copy of the source's keys/values as extra query positions, [b * c, q] -> [b, c * q].
     rows, num_queries = query.shape[:2]
@@ -356,8 +359,9 @@ class MultiHeadAttention(nn.Module):
       self.put_variable("encoded_kv", "value", _heads_major(value))
     return key, value
 
-  def _update_cache(self, key: Array, value: Array, mask: Array | None):
-    """Writes the new keys/values into the cache; returns all cached ones and their mask."""
+  def _update_cache(self, key: Array, value: Array, mask: Array | None, prefix_fill: bool):
+    """Writes the new keys/values into the cache; returns all cached ones and their mask
+    (causal over the new tokens, or with `prefix_fill` every slot written so far)."""
     initialized = self.has_variable("cache", "cached_key")
     shape = _heads_major(key).shape
     cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, key.dtype)
@@ -374,6 +378,8 @@ class MultiHeadAttention(nn.Module):
     cache_index.value = index + num_new
     # New token i (at absolute position index + i) sees cached positions <= index + i.
     query_positions = index + jnp.arange(num_new)[:, None]  # [q, 1]
-    causal = jnp.arange(max_len)[None, :] <= query_positions  # [q, max_len]
+    if prefix_fill:
+      query_positions = jnp.full_like(query_positions, index + num_new - 1)
+    visible = jnp.arange(max_len)[None, :] <= query_positions  # [q, max_len]
     return (_heads_major(cached_key.value), _heads_major(cached_value.value),
-            combine_masks(causal[None, None], mask))
+            combine_masks(visible[None, None], mask))

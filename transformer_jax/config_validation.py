@@ -177,6 +177,9 @@ def _cross_key_problems(config: ml_collections.ConfigDict,
     found.append("config.model.position_embedding='relative' is for encoders and "
                  "encoder-decoders; a decoder_only model takes 'sinusoidal', 'learned' or "
                  "'rope'")
+  if m.get("prefix_lm") and families.name(config) != "decoder_only":
+    found.append("config.model.prefix_lm=True is for config.architecture='decoder_only' (an "
+                 "encoder already reads the source both ways)")
   if config.eval_split not in config.splits:
     found.append(f"config.eval_split={config.eval_split!r} is not a key of config.splits "
                  f"({', '.join(config.splits)})")

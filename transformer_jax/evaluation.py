@@ -21,9 +21,8 @@ from transformer_jax.data import pipeline
 
 
 def _eval_step(params, batch, *, family, axis_name):
-  logits = family.forward(params, batch, deterministic=True)
-  labels, weights = family.labels_and_weights(batch)
-  return parallel.psum(metrics.token_metrics(logits, labels, weights), axis_name)
+  return parallel.psum(family.score_outputs(params, batch, metrics.token_metrics,
+                                            deterministic=True), axis_name)
 
 
 def generation_indices(examples: Sequence[dict], n: int) -> list[int]:

@@ -152,6 +152,13 @@ class Family(abc.ABC):
       weights = (targets > 0).astype(jnp.float32)
     return targets, weights
 
+  def score_outputs(self, params, batch: dict, score, *, deterministic: bool, rngs=None):
+    """`score(logits, labels, weights)` of the model's outputs on `batch`: the training loss
+    and its metrics. The decoder-only family computes logits only where weights are not 0."""
+    labels, weights = self.labels_and_weights(batch)
+    return score(self.forward(params, batch, deterministic=deterministic, rngs=rngs),
+                 labels, weights)
+
   def train_step_flops(self, batch_size: int) -> float | None:
     """Model FLOPs of one training step on full-length rows (for the MFU); None where
     flops.py has no formula for the family."""
@@ -358,8 +365,9 @@ class EncoderDecoder(_SequenceFamily):
 
 
 class DecoderOnly(_SequenceFamily):
-  """A causal LM over `SOURCE <eos> TARGET <eos>` (causal over the source too: not a prefix
-  LM, whose source would be read bidirectionally), graded on the target only."""
+  """A causal LM over `SOURCE <eos> TARGET <eos>`, graded on the target only. Causal over the
+  source too, or with `model.prefix_lm` a prefix LM: the source part (loss weight 0) read
+  both ways, in training and when a prompt fills the KV cache."""
   name = "decoder_only"
   continues_prompt = True
 
@@ -370,10 +378,35 @@ class DecoderOnly(_SequenceFamily):
   def _make_model(self):
     return models.DecoderOnly(self.model_config)
 
-  def forward(self, params, batch: dict, *, deterministic: bool, rngs=None) -> Array:
+  def forward(self, params, batch: dict, *, deterministic: bool, rngs=None,
+              method=None) -> Array:
+    """Logits [b, len, vocab] (`method=self.model.states`: the states before the output)."""
     return self.model.apply({"params": params}, batch["targets"], batch.get("targets_position"),
-                            batch.get("targets_segmentation"), deterministic=deterministic,
-                            rngs=rngs or {})
+                            batch.get("targets_segmentation"), _prefix(batch),
+                            deterministic=deterministic, rngs=rngs or {}, method=method)
+
+  def score_outputs(self, params, batch, score, *, deterministic, rngs=None):
+    # Only the target part carries loss (a summary's ~60 of 320 positions): the output layer,
+    # the largest matmul of a small model, runs on those positions alone, gathered from the
+    # batch's states into a fixed budget of rows x max_target_length (all an unpacked batch
+    # can weigh). A packed batch that weighs more takes the full computation instead.
+    labels, weights = (x.reshape(-1) for x in self.labels_and_weights(batch))
+    states = self.forward(params, batch, deterministic=deterministic, rngs=rngs,
+                          method=self.model.states)
+    states = states.reshape(-1, states.shape[-1])  # [b * len, emb]
+    budget = batch["targets"].shape[0] * self.config.max_target_length
+    logits = lambda rows: self.model.apply({"params": params}, rows, method=self.model.logits)
+    everywhere = lambda: score(logits(states), labels, weights)
+    if budget >= len(weights):
+      return everywhere()
+    count = jnp.sum(weights != 0)
+
+    def weighted_only():
+      index = jnp.nonzero(weights, size=budget, fill_value=0)[0]
+      kept = jnp.where(jnp.arange(budget) < count, weights[index], 0.0)  # the fill weighs 0
+      return score(logits(states[index]), labels[index], kept)
+
+    return jax.lax.cond(count <= budget, weighted_only, everywhere)
 
   def feature_lengths(self) -> dict[str, int]:
     length = self.config.max_source_length + self.config.max_target_length
@@ -398,7 +431,9 @@ class DecoderOnly(_SequenceFamily):
 
   def attention_weights(self, params, prompt, output):
     tokens = np.concatenate([prompt, output])  # SOURCE <eos> TARGET <eos>, as in training
-    weights = models.attention_weights(self.model, params, tokens[None])
+    prefix = np.arange(len(tokens)) < len(prompt)
+    weights = models.attention_weights(self.model, params, tokens[None], None, None,
+                                       prefix[None])
     inputs = np.asarray(models.shift_right(tokens[None], self.model_config.bos_id))[0]
     return weights, {"decoder_self": (tokens, inputs)}
 
@@ -423,7 +458,8 @@ class DecoderOnly(_SequenceFamily):
     offset = prompt_len - jnp.sum(filled != 0, axis=1)  # [b]: padding slots before decoding
     cache = self.init_cache(batch_size, prompt_len + max_len)
     _, variables = model.apply({"params": params, "cache": cache}, filled, deterministic=True,
-                               decode=True, cache_mask=cache_mask, mutable=["cache"])
+                               decode=True, cache_mask=cache_mask, prefix_fill=True,
+                               mutable=["cache"])
     if rows != batch_size:  # the callback sees [batch * copies] rows
       cache_mask = decoding.flat_batch_beam_expand(cache_mask, rows // batch_size)
       offset = decoding.flat_batch_beam_expand(offset, rows // batch_size)
@@ -494,6 +530,12 @@ class EncoderClassifier(Family):
   def output_text(self, ids, tokenizer):
     names, label = self.config.label_names, int(ids[0])
     return names[label] if label < len(names) else str(label)
+
+
+def _prefix(batch: dict) -> Array:
+  """[b, len]: the decoder-only source part `SOURCE <eos>` (non-padding, loss weight 0), which
+  a prefix LM reads both ways."""
+  return (batch["weights"] == 0) & (batch["targets"] != 0)
 
 
 def _zeros(abstract_tree):

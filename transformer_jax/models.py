@@ -89,6 +89,9 @@ class TransformerConfig:
   # token: 'cls_pooler' (BERT's pooler) or 'cls_head' (RoBERTa's head: dropout before it too)
   pooling: str = "mean"
   num_token_types: int = 0  # classifier: learned token-type rows (BERT); inputs are type 0
+  # Decoder-only: a prefix LM (Raffel et al., 2020, Fig. 3): the source part `SOURCE <eos>`
+  # (loss weight 0) is read both ways, the target causally; prompts are filled the same way.
+  prefix_lm: bool = False
 
   def replace(self, **changes) -> "TransformerConfig":
     return dataclasses.replace(self, **changes)
@@ -163,12 +166,17 @@ def shift_right(targets: Array, bos_id: int, segmentation: Array | None = None) 
   return jnp.where(targets != 0, shifted, 0)  # padding stays padding
 
 
-def self_attention_mask(tokens: Array, segmentation: Array | None, causal: bool) -> Array:
-  """[b, 1, len, len]: non-padding, same segment, and (if causal) not in the future."""
+def self_attention_mask(tokens: Array, segmentation: Array | None, causal: bool,
+                        prefix: Array | None = None) -> Array:
+  """[b, 1, len, len]: non-padding, same segment, and (if causal) not in the future, except
+  that positions of the `prefix` [b, len] (a prefix LM's source part) see each other."""
+  visible = attention.causal_mask(tokens.shape[1]) if causal else None
+  if causal and prefix is not None:
+    visible = visible | (prefix[:, None, :, None] & prefix[:, None, None, :])
   return attention.combine_masks(
       attention.padding_mask(tokens, tokens),
       None if segmentation is None else attention.segment_mask(segmentation, segmentation),
-      attention.causal_mask(tokens.shape[1]) if causal else None)
+      visible)
 
 
 # ---- Layers and stacks ---------------------------------------------------------------------
@@ -280,15 +288,16 @@ class DecoderLayer(nn.Module):
   @nn.compact
   def __call__(self, y: Array, encoded: Array | None, self_mask: Array | None,
                cross_mask: Array | None, deterministic: bool, decode: bool,
-               bias: Array | None = None, positions: Array | None = None) -> Array:
+               bias: Array | None = None, positions: Array | None = None,
+               prefix_fill: bool = False) -> Array:
     """`positions` [b|1, len]: the tokens' positions for rotary embeddings ('rope'); while
-    decoding, those of the tokens fed in this call."""
+    decoding, those of the tokens fed in this call. `prefix_fill`: see MultiHeadAttention."""
     c = self.config
     residual = lambda name: SublayerConnection(c, name=name)
     self_attention = _attention(c, "self_attention")
     y = residual("self_attention_block")(
         y, lambda h: self_attention(h, h, self_mask, deterministic=deterministic, decode=decode,
-                                    bias=bias, positions=positions),
+                                    bias=bias, positions=positions, prefix_fill=prefix_fill),
         deterministic=deterministic)
     if encoded is not None:
       cross_attention = _attention(c, "cross_attention", c.cross_attention_score,
@@ -330,16 +339,19 @@ class DecoderStack(nn.Module):
 
   `positions` [b, len] (packed rows) matter only for a relative position bias or rotary
   embeddings; while decoding, the cache counts positions instead, less each row's
-  `decode_offset` [b] (see layers.PositionEmbedding).
+  `decode_offset` [b] (see layers.PositionEmbedding). `prefix_fill`: the tokens fed while
+  decoding are a prefix LM's prompt, read both ways.
   """
   config: TransformerConfig
 
   @nn.compact
   def __call__(self, y: Array, encoded: Array | None, self_mask: Array | None,
                cross_mask: Array | None, *, deterministic: bool, decode: bool,
-               positions: Array | None = None, decode_offset: Array | None = None) -> Array:
+               positions: Array | None = None, decode_offset: Array | None = None,
+               prefix_fill: bool = False) -> Array:
     c = self.config
-    layer = _remat(DecoderLayer, c, static_argnums=(5, 6))  # deterministic, decode
+    # deterministic, decode, prefix_fill
+    layer = _remat(DecoderLayer, c, static_argnums=(5, 6, 9))
     num_layers = c.num_decoder_layers or c.num_layers
     biases = [None] * num_layers
     if c.position_embedding == "relative":
@@ -352,7 +364,8 @@ class DecoderStack(nn.Module):
                           if decode else _stack_positions(y.shape[1], positions))
     for i in range(num_layers):
       y = layer(c, name=f"layer_{i}")(residual_stream(y), encoded, self_mask, cross_mask,
-                                      deterministic, decode, biases[i], rotary_positions)
+                                      deterministic, decode, biases[i], rotary_positions,
+                                      prefix_fill)
     if c.pre_ln if c.final_norm is None else c.final_norm:
       y = _layer_norm(c, "final_norm")(y)
     return y
@@ -544,24 +557,46 @@ class DecoderOnly(nn.Module):
     self.dropout = layers.Dropout(c.dropout_rate)
 
   def __call__(self, tokens: Array, positions: Array | None = None,
-               segmentation: Array | None = None, *, deterministic: bool = False,
-               decode: bool = False, cache_mask: Array | None = None,
-               decode_offset: Array | None = None) -> Array:
-    """Logits [b, len, vocab]. Decoding a batch of right-padded prompts: `cache_mask`
-    [b, 1, 1, cache_len] hides the prompts' padding slots, `decode_offset` [b] keeps each
-    row's positions as in training (see layers.PositionEmbedding)."""
+               segmentation: Array | None = None, prefix: Array | None = None, *,
+               deterministic: bool = False, decode: bool = False,
+               cache_mask: Array | None = None, decode_offset: Array | None = None,
+               prefix_fill: bool = False) -> Array:
+    """Logits [b, len, vocab]; the arguments as `states`."""
+    return self.logits(self.states(tokens, positions, segmentation, prefix,
+                                   deterministic=deterministic, decode=decode,
+                                   cache_mask=cache_mask, decode_offset=decode_offset,
+                                   prefix_fill=prefix_fill))
+
+  def states(self, tokens: Array, positions: Array | None = None,
+             segmentation: Array | None = None, prefix: Array | None = None, *,
+             deterministic: bool = False, decode: bool = False,
+             cache_mask: Array | None = None, decode_offset: Array | None = None,
+             prefix_fill: bool = False) -> Array:
+    """The last layer's states [b, len, emb], before the output layer.
+
+    Training: a prefix LM (`config.prefix_lm`) reads the positions marked by `prefix`
+    [b, len] (its source part) both ways. Decoding a batch of right-padded prompts:
+    `cache_mask` [b, 1, 1, cache_len] hides the prompts' padding slots, `decode_offset` [b]
+    keeps each row's positions as in training (see layers.PositionEmbedding), and
+    `prefix_fill` has a prefix LM's prompt read both ways.
+    """
     c = self.config
     if decode:
       inputs, mask = tokens, cache_mask
     else:
       inputs = shift_right(tokens, c.bos_id, segmentation)
-      mask = self_attention_mask(tokens, segmentation, causal=True)
+      mask = self_attention_mask(tokens, segmentation, causal=True,
+                                 prefix=prefix if c.prefix_lm else None)
     y = self.positions(self.embedding(inputs), positions, decode=decode,
                        decode_offset=decode_offset)
     y = self.dropout(self.embedding_norm(y), deterministic=deterministic)
-    y = self.decoder(y, None, mask, None, deterministic=deterministic, decode=decode,
-                     positions=positions, decode_offset=decode_offset)
-    return _output_logits(self, self.embedding, y)
+    return self.decoder(y, None, mask, None, deterministic=deterministic, decode=decode,
+                        positions=positions, decode_offset=decode_offset,
+                        prefix_fill=prefix_fill and c.prefix_lm)
+
+  def logits(self, states: Array) -> Array:
+    """Float32 logits [..., vocab] of `states` [..., emb]."""
+    return _output_logits(self, self.embedding, states)
 
 
 class EncoderClassifier(nn.Module):

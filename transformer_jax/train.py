@@ -97,19 +97,19 @@ def train_step(state: train_state.TrainState, batch, rng, *, family: families.Fa
   # Dividing by the global token count makes the summed gradients an exact token mean.
   denominator = parallel.psum(jnp.sum(family.labels_and_weights(batch)[1]), axis_name)
 
+  def score(logits, labels, weights):
+    loss, unsmoothed = metrics.smoothed_cross_entropy(
+        logits, labels, label_smoothing, also_unsmoothed=True,
+        padding_masked=family.model_config.mask_padding_logit)
+    return (jnp.sum(loss * weights) / denominator,
+            metrics.token_metrics(logits, labels, weights, unsmoothed))
+
   def micro_step(micro_batch, dropout_rng):
-    labels, weights = family.labels_and_weights(micro_batch)
-
-    def loss_fn(params):
-      logits = family.forward(params, micro_batch, deterministic=False,
-                              rngs={"dropout": dropout_rng})
-      loss, unsmoothed = metrics.smoothed_cross_entropy(
-          logits, labels, label_smoothing, also_unsmoothed=True,
-          padding_masked=family.model_config.mask_padding_logit)
-      return jnp.sum(loss * weights) / denominator, (logits, unsmoothed)
-
-    (_, (logits, unsmoothed)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    return grads, metrics.token_metrics(logits, labels, weights, unsmoothed)
+    loss_fn = lambda params: family.score_outputs(params, micro_batch, score,
+                                                  deterministic=False,
+                                                  rngs={"dropout": dropout_rng})
+    (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return grads, sums
 
   if grad_accum_steps == 1:
     grads, sums = micro_step(batch, step_rng)
