@@ -532,6 +532,13 @@ def test_flops_count_the_smaller_key_value_projections():
   extra = (flops.forward_flops(config.replace(ffn_activation="swiglu"), 1, 3, 2)
            - flops.forward_flops(config, 1, 3, 2))
   assert extra == (3 + 2) * 2 * 4 * 8  # the gate's matmul
+  # Decoder-only over 5 tokens, the output layer at 2 of them: per token, projections
+  # 4 * 2 * 4 * 4 = 128 (with 1 of 2 key/value heads: 2 * 2 * 4 * 4 + 2 * 2 * 4 * 2 = 96),
+  # scores and values 2 * 2 * 5 * 4 = 80, ffn 2 * 2 * 4 * 8 = 128; logits 2 * 4 * 10 = 80.
+  assert flops.decoder_only_forward_flops(config, 3, 5, 2) == 3 * (5 * (128 + 80 + 128)
+                                                                   + 2 * 80)
+  assert flops.decoder_only_forward_flops(config.replace(num_kv_heads=1), 1, 5, 2) == (
+      5 * (96 + 80 + 128) + 2 * 80)
 
 
 def test_prefix_lm_with_rope_mqa_swiglu_trains_packed_and_evaluates(tmp_path, tiny_config):

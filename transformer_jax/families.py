@@ -378,6 +378,13 @@ class DecoderOnly(_SequenceFamily):
   def _make_model(self):
     return models.DecoderOnly(self.model_config)
 
+  def train_step_flops(self, batch_size: int) -> float:
+    # The output layer runs at the target part's positions only (see score_outputs).
+    return 3 * flops.decoder_only_forward_flops(
+        self.model_config, batch_size,
+        self.config.max_source_length + self.config.max_target_length,
+        self.config.max_target_length)
+
   def forward(self, params, batch: dict, *, deterministic: bool, rngs=None,
               method=None) -> Array:
     """Logits [b, len, vocab] (`method=self.model.states`: the states before the output)."""

@@ -51,6 +51,20 @@ def forward_flops(config: models.TransformerConfig, batch_size: int, source_len:
   return batch_size * per_example
 
 
+def decoder_only_forward_flops(config: models.TransformerConfig, batch_size: int, length: int,
+                               scored_len: int) -> int:
+  """Matmul FLOPs of one DecoderOnly forward pass over rows of `length` tokens whose output
+  layer runs at `scored_len` positions each (training: the target part); counted as
+  `forward_flops` counts a decoder layer without cross-attention."""
+  e, q, f, v = config.emb_dim, config.qkv_dim, config.mlp_dim, config.vocab_size
+  kv = q * (config.num_kv_heads or config.num_heads) // config.num_heads
+  gated = layers.ACTIVATIONS.get(config.ffn_activation, (None, False))[1]
+  ffn = 2 * (3 if gated else 2) * e * f
+  projections = 2 * 2 * e * q + 2 * 2 * e * kv
+  layer = length * (projections + 2 * 2 * length * q + ffn)
+  return batch_size * (config.num_layers * layer + scored_len * 2 * e * v)
+
+
 def train_step_flops(config: models.TransformerConfig, batch_size: int, source_len: int,
                      target_len: int) -> int:
   """Forward + backward: the backward pass costs twice the forward (two matmuls per one)."""
