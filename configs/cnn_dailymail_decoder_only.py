@@ -1,5 +1,6 @@
-"""CNN / DailyMail as a decoder-only causal LM: `ARTICLE <eos> SUMMARY <eos>`, loss on the
-summary only; inference fills the cache with `ARTICLE <eos>` and generates the summary.
+"""CNN / DailyMail with one decoder: `ARTICLE <eos> SUMMARY <eos>` as a prefix LM (the article
+read both ways, the summary causally), loss on the summary only; inference fills the cache with
+`ARTICLE <eos>` the same way and generates the summary.
 
   python -m transformer_jax.main --config configs/cnn_dailymail_decoder_only.py \
       --workdir runs/cnn_dailymail_lm --config.tfds_data_dir=gs://BUCKET/tensorflow_datasets
@@ -7,7 +8,9 @@ summary only; inference fills the cache with `ARTICLE <eos>` and generates the s
 
 Prepare the data once on a machine with internet:
   tfds build cnn_dailymail --data_dir=gs://BUCKET/tensorflow_datasets
-Data and schedule as configs/cnn_dailymail.py; a 12-layer pre-LN decoder (d 512), greedy.
+Data, schedule and decoding (beam 4) as configs/cnn_dailymail.py; a 12-layer pre-LN decoder
+(d 512, rotary positions) on packed rows of 640 tokens: the recipe of
+configs/dialogsum_decoder_only.py.
 Not yet measured by this project (no accelerator was available).
 `:hub` reads abisee/cnn_dailymail (3.0.0) from the Hugging Face Hub instead of TFDS, as
 configs/cnn_dailymail.py:hub.
@@ -20,6 +23,6 @@ def get_config(data: str = "tfds"):
   """`data`: 'tfds' or 'hub' (the Hugging Face Hub's copy), as configs/cnn_dailymail.py."""
   config = default_config.sibling(__file__, "cnn_dailymail", data)
   config.architecture = "decoder_only"
-  config.decoding.update(method="greedy")
-  config.model.update(num_layers=12, max_len=640)
+  config.pack_examples = True
+  config.model.update(num_layers=12, max_len=640, prefix_lm=True, position_embedding="rope")
   return config
