@@ -2,8 +2,8 @@
 
 Three families share one encoder stack and one decoder stack:
   EncoderDecoder     translation, summarization: (inputs, targets) -> [b, tgt_len, vocab]
-  DecoderOnly        causal language model (also over `SOURCE <eos> TARGET`): tokens ->
-                     [b, len, vocab]
+  DecoderOnly        causal or prefix language model (also over `SOURCE <eos> TARGET`):
+                     tokens -> [b, len, vocab]
   EncoderClassifier  encoder + pooling + dense head: inputs -> [b, num_classes]
 
 Token id 0 is padding everywhere. Packed examples carry `*_segmentation` (segment ids, 0 =
