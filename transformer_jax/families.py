@@ -539,9 +539,11 @@ class EncoderClassifier(Family):
     return names[label] if label < len(names) else str(label)
 
 
-def _prefix(batch: dict) -> Array:
+def _prefix(batch: dict) -> Array | None:
   """[b, len]: the decoder-only source part `SOURCE <eos>` (non-padding, loss weight 0), which
-  a prefix LM reads both ways."""
+  a prefix LM reads both ways; None for a batch of plain text without weights."""
+  if "weights" not in batch:
+    return None
   return (batch["weights"] == 0) & (batch["targets"] != 0)
 
 
