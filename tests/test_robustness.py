@@ -132,8 +132,9 @@ def test_bad_settings_are_refused_before_the_workdir_is_made(tmp_path, data_cach
 
 @pytest.fixture
 def small_disk(tmp_path):
-  """A 1.9 MB file system: room for the tiny run's token cache (340 KB) and two checkpoints of
-  the tiny model, not three."""
+  """A 1.9 MB file system: room for the tiny run's token cache (340 KB) and two or three
+  checkpoints of the tiny model (seen both in the full suite: the free space at each save
+  varies), never all ten of a 100-step run."""
   disk = tmp_path / "disk"
   disk.mkdir()
   if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1900k", "tmpfs", str(disk)],
@@ -158,8 +159,9 @@ def test_failed_background_save_stops_the_run_with_one_line(small_disk, data_cac
   message = errors[0]
   assert message.startswith("error: Saving a checkpoint"), message
   assert "No space left on device" in message, message
-  assert "from the last complete checkpoint (20)" in message
-  assert _steps(workdir) == [10, 20]  # the complete ones are still there and readable
+  complete = _steps(workdir)  # the complete ones are still there and readable
+  assert complete in ([10, 20], [10, 20, 30]), complete
+  assert f"from the last complete checkpoint ({complete[-1]})" in message
   _, step = checkpoints.restore_params(
       workdir, families.get(workdir_lib.load_config(workdir)).init_params)
-  assert step == 20
+  assert step == complete[-1]
