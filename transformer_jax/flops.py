@@ -24,6 +24,22 @@ PEAK_TFLOPS = {
 }
 
 
+def _per_token(config: models.TransformerConfig) -> tuple[int, int, int]:
+  """(key/value width, FLOPs per token of the Q/K/V/output projections, of the feed-forward
+  network): K and V with grouped-query attention's fewer heads, three FFN matrices when
+  gated."""
+  e, q, f = config.emb_dim, config.qkv_dim, config.mlp_dim
+  kv = q * (config.num_kv_heads or config.num_heads) // config.num_heads  # K (V) width
+  gated = layers.ACTIVATIONS.get(config.ffn_activation, (None, False))[1]
+  return kv, 2 * 2 * e * q + 2 * 2 * e * kv, 2 * (3 if gated else 2) * e * f
+
+
+def _self_attention_layer(config: models.TransformerConfig, length: int) -> int:
+  """FLOPs of a layer of self-attention and feed-forward network over `length` tokens."""
+  _, projections, ffn = _per_token(config)
+  return length * (projections + 2 * 2 * length * config.qkv_dim + ffn)  # + scores, values
+
+
 def forward_flops(config: models.TransformerConfig, batch_size: int, source_len: int,
                   target_len: int) -> int:
   """Matmul FLOPs (2 per multiply-add) of one EncoderDecoder forward pass.
@@ -34,20 +50,16 @@ def forward_flops(config: models.TransformerConfig, batch_size: int, source_len:
   output logits. Embedding lookups are gathers, not matmuls; rotary embeddings, layer norms,
   softmax and other elementwise work are left out, as is customary.
   """
-  e, q, f, v = config.emb_dim, config.qkv_dim, config.mlp_dim, config.vocab_size
+  e, q, v = config.emb_dim, config.qkv_dim, config.vocab_size
   s, t = source_len, target_len
-  kv = q * (config.num_kv_heads or config.num_heads) // config.num_heads  # K (V) width
-  gated = layers.ACTIVATIONS.get(config.ffn_activation, (None, False))[1]
-  ffn = 2 * (3 if gated else 2) * e * f
-  projections = 2 * 2 * e * q + 2 * 2 * e * kv  # query + out, key + value
-  encoder_layer = s * (projections + 2 * 2 * s * q + ffn)  # projections, scores+values, ffn
-  decoder_layer = (t * (projections + 2 * 2 * t * q)  # self-attention
+  kv = _per_token(config)[0]
+  decoder_layer = (_self_attention_layer(config, t)
                    + t * 2 * 2 * e * q + s * 2 * 2 * e * kv  # cross: query+out, key+value
-                   + t * 2 * 2 * s * q  # cross scores + values
-                   + t * ffn)
+                   + t * 2 * 2 * s * q)  # cross scores + values
   logits = t * 2 * e * v
   decoder_layers = config.num_decoder_layers or config.num_layers
-  per_example = config.num_layers * encoder_layer + decoder_layers * decoder_layer + logits
+  per_example = (config.num_layers * _self_attention_layer(config, s)
+                 + decoder_layers * decoder_layer + logits)
   return batch_size * per_example
 
 
@@ -56,13 +68,8 @@ def decoder_only_forward_flops(config: models.TransformerConfig, batch_size: int
   """Matmul FLOPs of one DecoderOnly forward pass over rows of `length` tokens whose output
   layer runs at `scored_len` positions each (training: the target part); counted as
   `forward_flops` counts a decoder layer without cross-attention."""
-  e, q, f, v = config.emb_dim, config.qkv_dim, config.mlp_dim, config.vocab_size
-  kv = q * (config.num_kv_heads or config.num_heads) // config.num_heads
-  gated = layers.ACTIVATIONS.get(config.ffn_activation, (None, False))[1]
-  ffn = 2 * (3 if gated else 2) * e * f
-  projections = 2 * 2 * e * q + 2 * 2 * e * kv
-  layer = length * (projections + 2 * 2 * length * q + ffn)
-  return batch_size * (config.num_layers * layer + scored_len * 2 * e * v)
+  return batch_size * (config.num_layers * _self_attention_layer(config, length)
+                       + scored_len * 2 * config.emb_dim * config.vocab_size)
 
 
 def train_step_flops(config: models.TransformerConfig, batch_size: int, source_len: int,
