@@ -10,6 +10,7 @@ cd "$(dirname "$0")/.."
 BASE=(python3 -m transformer_jax.benchmark --config "${CONFIG:-configs/wmt14_en_de.py}" --batch_size "${BATCH:-128}"
       --seq_len "${SEQ:-256}" --decode=false --steps "${STEPS:-30}")
 declare -A FLAGS=(
+  [default]=""  # the config as it is: attention 'auto' (cuDNN on a GPU)
   [baseline]="--config.model.attention_implementation=xla"
   [rbg]="--config.model.attention_implementation=xla --config.prng_impl=rbg"
   [unsafe_rbg]="--config.model.attention_implementation=xla --config.prng_impl=unsafe_rbg"
@@ -20,6 +21,12 @@ declare -A FLAGS=(
   [cudnn_no_dropout]="--config.model.attention_implementation=cudnn --config.model.dropout_rate=0"
   [auto]="--config.prng_impl=unsafe_rbg"
   [jit]="--config.prng_impl=unsafe_rbg --config.parallel.mode=jit"
+  # The output matmul with float32 operands (the code before issue #41; TF32 on a GPU).
+  [f32_logits]="--config.model.logits_dot_in_float32=true"
+  # Transformer-big (the paper's Table 3) at the same batch shape.
+  [big]="--config.model.emb_dim=1024 --config.model.num_heads=16 --config.model.qkv_dim=1024
+         --config.model.mlp_dim=4096 --config.model.dropout_rate=0.3"
+  [batch256]="--batch_size 256"
 )
 declare -A XLA=(
   [no_triton_gemm]="--xla_gpu_enable_triton_gemm=false"

@@ -7,8 +7,10 @@ batches, with the dropout that this data's size wants.
 
 The same 3+3-layer post-LN Transformer (d 256, 7.6M parameters) on packed rows of 64 tokens:
 6,000 steps of 128 rows, dropout 0.3. Issue #18 reports, on one NVIDIA H100 80GB (jax 0.11.2):
-test BLEU 40.18 (validation 42.99) in about 2 minutes, against 36.38 with dropout 0.1; not
-yet re-run from this file (benchmarks/RESULTS.md, GPU section, says when it is).
+test BLEU 40.18 (validation 42.99) in about 2 minutes, against 36.38 with dropout 0.1. Run from
+this file with --config.model.dtype=bfloat16 --config.model.attention_implementation=auto
+(cuDNN), issue #41 measured test BLEU 39.76 (validation 41.86) after 56 s of steps
+(benchmarks/RESULTS.md, GPU section).
 `:hub` reads bentrevett/multi30k from the Hugging Face Hub instead, as configs/multi30k.py:hub.
 """
 

@@ -69,6 +69,20 @@ def test_a_packed_segment_without_source_is_a_fully_masked_row():
   assert cross[0, 0, :3].any(axis=-1).all()
 
 
+@pytest.mark.parametrize("dtype, length, head_dim, chosen", [
+    (jnp.bfloat16, 8, 64, "cudnn"), (jnp.float16, 8, 64, "cudnn"),
+    (jnp.float32, 8, 64, "xla"),  # cuDNN has no float32 kernel
+    (jnp.bfloat16, 1, 64, "xla"),  # a decoding step's single query
+    (jnp.bfloat16, 8, 12, "xla"), (jnp.bfloat16, 8, 264, "xla")])  # head dims cuDNN refuses
+def test_auto_takes_cudnn_only_where_its_kernels_apply(monkeypatch, dtype, length, head_dim,
+                                                        chosen):
+  """Where 'auto' means cuDNN (a GPU), it falls back to XLA for inputs cuDNN cannot take."""
+  monkeypatch.setitem(attention.AUTO_IMPLEMENTATION, jax.default_backend(), "cudnn")
+  query = jnp.zeros((2, length, 4, head_dim), dtype)
+  assert attention.fused_implementation("auto", query) == chosen
+  assert attention.fused_implementation("xla", query) == "xla"
+
+
 @pytest.mark.parametrize("kind", ["encoder", "decoder", "cross"])
 def test_cudnn_is_never_given_an_empty_row(monkeypatch, kind):
   """The cuDNN call's arguments and the result, on any backend: XLA stands in for the kernel."""

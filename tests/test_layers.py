@@ -31,6 +31,25 @@ def test_sinusoidal_positions_known_values():
                                         math.cos(0.01)], atol=1e-7)
 
 
+def test_tied_logits_read_bfloat16_operands_and_return_float32():
+  """A bfloat16 model's output layer: bfloat16 products (the table rounded to bfloat16),
+  summed and returned in float32; the gradients come back in the operands' own dtypes."""
+  import jax
+  import jax.numpy as jnp
+  y = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 8)).astype(jnp.bfloat16)
+  table = jax.random.normal(jax.random.PRNGKey(1), (13, 8))
+  logits = layers.tied_logits(y, table)
+  assert logits.dtype == jnp.float32
+  rounded = table.astype(jnp.bfloat16).astype(jnp.float32)
+  # Products of bfloat16 values are exact in float32: only the summation order differs.
+  np.testing.assert_allclose(logits, jnp.einsum("bld,vd->blv", y.astype(jnp.float32), rounded),
+                             rtol=1e-6, atol=1e-6)
+  d_y, d_table = jax.vjp(layers.tied_logits, y, table)[1](jnp.ones_like(logits))
+  assert (d_y.dtype, d_table.dtype) == (jnp.bfloat16, jnp.float32)
+  np.testing.assert_allclose(d_table, jnp.broadcast_to(y.astype(jnp.float32).sum((0, 1)),
+                                                       (13, 8)), rtol=1e-6)
+
+
 def test_tied_logits_and_its_gradients_match_autodiff():
   import jax
   import jax.numpy as jnp

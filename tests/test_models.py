@@ -165,6 +165,25 @@ def test_dropout_is_active_only_when_not_deterministic():
                                             deterministic=True))
 
 
+@pytest.mark.parametrize("tie_output", [True, False])
+def test_bfloat16_output_layer_multiplies_in_bfloat16_unless_asked_for_float32(tie_output):
+  """Float32 logits either way; `logits_dot_in_float32` only changes the operands' dtype."""
+  config = CONFIG.replace(dtype=jnp.bfloat16, tie_output=tie_output)
+  model, params = _init(config)
+  src, tgt = jnp.array([[5, 6, 7, 1, 0, 0]]), jnp.array([[8, 9, 10, 11, 1, 0, 0]])
+  fast = model.apply({"params": params}, src, tgt, deterministic=True)
+  slow = models.EncoderDecoder(config.replace(logits_dot_in_float32=True)).apply(
+      {"params": params}, src, tgt, deterministic=True)
+  assert fast.dtype == slow.dtype == jnp.float32
+  np.testing.assert_allclose(fast, slow, rtol=5e-2, atol=5e-2)  # bfloat16 operands: ~3 digits
+  assert not np.array_equal(fast, slow)  # the switch does change the product
+  hlo = jax.jit(lambda p: model.apply({"params": p}, src, tgt, deterministic=True)).lower(
+      params).as_text()
+  (output_product,) = [line for line in hlo.splitlines()
+                       if "dot_general" in line and line.endswith("tensor<1x7x40xf32>")]
+  assert "(tensor<1x7x16xbf16>, tensor<" in output_product  # bfloat16 operands
+
+
 def test_parameter_count_is_exact():
   config = CONFIG.replace(num_layers=1)
   model = models.EncoderDecoder(config)

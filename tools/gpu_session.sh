@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
-# Issue #18's GPU measurements in two stages of under 10 minutes each (one device call each):
+# The GPU measurements of issues #18 and #41, one device call (under 10 minutes) per stage:
 #
-#   bash tools/gpu_session.sh correctness OUT   # attention check, Multi30k cuDNN run, tests
+#   bash tools/gpu_session.sh correctness OUT   # attention check, 200 Multi30k steps on cuDNN
+#   bash tools/gpu_session.sh tests OUT         # the suite (tools/test_gpu.sh)
 #   bash tools/gpu_session.sh speed OUT         # step-speed sweep and a profiled step
+#   bash tools/gpu_session.sh recipe OUT        # configs/multi30k_gpu.py trained, test BLEU
 #
 # OUT collects the logs. Needs ml_collections, rouge-score and nltk where the image lacks them
-# (carried as wheels in .whl/) and, for the Multi30k run, the corpus in .gpudata/multi30k/.
+# (carried as wheels in .whl/) and, for the Multi30k runs, the corpus in .gpudata/multi30k/.
 # Copy the numbers into benchmarks/RESULTS.md (GPU section) with the device and jax version.
+# Never run two stages at once: each JAX process takes 75% of the GPU's memory up front (two
+# Multi30k runs side by side ran out of memory in issue #41's session).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stage=${1:-} out=${2:-/tmp/gpu_session}
-if [[ $stage != correctness && $stage != speed ]]; then
-  echo "usage: $0 correctness|speed OUT" >&2
+if [[ ! $stage =~ ^(correctness|tests|speed|recipe)$ ]]; then
+  echo "usage: $0 correctness|tests|speed|recipe OUT" >&2
   exit 2
 fi
 mkdir -p "$out"
@@ -34,13 +38,24 @@ case $stage in
           --config.log_every_steps=50 > "$out/m30k_cudnn.log" 2>&1
       grep -E "step [0-9]+/|eval:|Error" "$out/m30k_cudnn.log" | tail -6
     fi
-    time timeout 300 bash tools/test_gpu.sh 2>&1 | tee "$out/tests.log" | tail -30
+    ;;
+  tests)
+    # 300 s ran about 60% of the suite (no failure) on an H100 machine with 16 cores.
+    time timeout 560 bash tools/test_gpu.sh 2>&1 | tee "$out/tests.log" | tail -30
     ;;
   speed)
-    bash benchmarks/step_sweep.sh baseline unsafe_rbg cudnn_unsafe_rbg no_dropout \
-        unsafe_rbg+no_triton_gemm 2>&1 | tee "$out/sweep.log"
+    bash benchmarks/step_sweep.sh default f32_logits baseline big batch256 2>&1 \
+        | tee "$out/sweep.log"
     python3 -m transformer_jax.benchmark --config configs/wmt14_en_de.py --batch_size 128 \
-        --seq_len 256 --decode=false --steps 10 --profile_dir /tmp/trace > "$out/profiled.log" 2>&1
+        --seq_len 256 --steps 10 --profile_dir /tmp/trace > "$out/profiled.log" 2>&1
+    tail -1 "$out/profiled.log"
     python3 benchmarks/trace_summary.py /tmp/trace --top 30 | tee "$out/trace_summary.txt"
+    ;;
+  recipe)
+    timeout 330 python3 -m transformer_jax.main --config configs/multi30k_gpu.py \
+        --workdir /tmp/m30k_gpu --config.data_dir=.gpudata/multi30k > "$out/m30k_gpu.log" 2>&1
+    grep -E "step [0-9]+ eval|Final eval|Error" "$out/m30k_gpu.log" | tail -4
+    timeout 150 python3 -m transformer_jax.main --workdir /tmp/m30k_gpu --mode evaluate \
+        2>&1 | tee "$out/m30k_gpu_test.log" | tail -1
     ;;
 esac

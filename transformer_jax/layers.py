@@ -155,13 +155,17 @@ def dropout_keep_mask(rng: Array, rate: float, shape: tuple[int, ...]) -> tuple[
 
 @jax.custom_vjp
 def tied_logits(y: Array, table: Array) -> Array:
-  """Output logits from the embedding table, y @ table.T: [..., d], [vocab, d] -> [..., vocab].
+  """Float32 output logits from the embedding table, y @ table.T: [..., d], [vocab, d] ->
+  [..., vocab]. The products read y's dtype (the table is cast to it) and are summed in
+  float32: a bfloat16 model's output layer runs on the bfloat16 matrix units, and its logits
+  keep float32 precision for the softmax.
 
-  The custom VJP only changes how the table's gradient is computed: as (y^T g)^T, a
-  [d, vocab] product transposed, rather than g^T y. For the latter XLA:CPU first copies the
-  [tokens, vocab] gradient g into transposed layout, the largest array of the step.
+  The custom VJP computes the table's gradient as (y^T g)^T, a [d, vocab] product transposed,
+  rather than g^T y: for the latter XLA:CPU first copies the [tokens, vocab] gradient g into
+  transposed layout, the largest array of the step. The backward products read g in y's dtype.
   """
-  return jnp.einsum("...d,vd->...v", y, table)
+  return jnp.einsum("...d,vd->...v", y, table.astype(y.dtype),
+                    preferred_element_type=jnp.float32)
 
 
 def _tied_logits_fwd(y: Array, table: Array):
@@ -170,8 +174,9 @@ def _tied_logits_fwd(y: Array, table: Array):
 
 def _tied_logits_bwd(residuals, g: Array):
   y, table = residuals
-  d_y = jnp.einsum("...v,vd->...d", g, table)
-  d_table = jnp.einsum("...d,...v->dv", y, g).T
+  g = g.astype(y.dtype)
+  d_y = jnp.einsum("...v,vd->...d", g, table.astype(y.dtype), preferred_element_type=jnp.float32)
+  d_table = jnp.einsum("...d,...v->dv", y, g, preferred_element_type=jnp.float32).T
   return d_y.astype(y.dtype), d_table.astype(table.dtype)
 
 

@@ -13,6 +13,7 @@ padding) and `*_position` arrays; masks, positions and the right shift respect t
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -79,6 +80,10 @@ class TransformerConfig:
   # The output never predicts id 0 (padding): for checkpoints without a pad token of their
   # own (GPT-2), whose pad row is added on import and must not compete in the softmax.
   mask_padding_logit: bool = False
+  # The output matmul reads its operands in `dtype` and accumulates in float32; the logits are
+  # float32 either way. True: float32 operands too (on a GPU that is a TF32 product, slower than
+  # bfloat16's: benchmarks/RESULTS.md, GPU section); a float32 model is the same either way.
+  logits_dot_in_float32: bool = False
   cross_attention_score: str = "dot_product"  # or 'multiplicative', 'additive'
   attention_implementation: str = "reference"  # or 'xla', 'cudnn', 'auto' (jax.nn)
   remat: bool = False  # recompute each layer's activations in the backward pass
@@ -214,7 +219,9 @@ def _layer_norm(c: TransformerConfig, name: str) -> nn.Module:
 
 def _logits_dense(c: TransformerConfig) -> nn.Dense:
   """The output layer when it is not tied to the embedding."""
-  return nn.Dense(c.vocab_size, dtype=jnp.float32, use_bias=c.use_bias,
+  # Operands in the output's dtype, products summed and returned in float32.
+  dot = functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32)
+  return nn.Dense(c.vocab_size, dtype=_output_dtype(c), use_bias=c.use_bias, dot_general=dot,
                   kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
                                                            ("embed", "vocab")),
                   bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(),
@@ -426,7 +433,13 @@ class TokenEmbedding(nn.Module):
     return embedded.astype(c.dtype)
 
   def attend(self, y: Array) -> Array:
-    return layers.tied_logits(y.astype(jnp.float32), self.embedding.embedding)  # float32
+    """Float32 logits of `y`, multiplied in y's dtype (see `layers.tied_logits`)."""
+    return layers.tied_logits(y, self.embedding.embedding)
+
+
+def _output_dtype(c: TransformerConfig):
+  """The dtype the output matmul reads its operands in (it accumulates in float32)."""
+  return jnp.float32 if c.logits_dot_in_float32 else c.dtype
 
 
 def _output_logits(module: nn.Module, embedding: TokenEmbedding, y: Array) -> Array:
@@ -436,6 +449,7 @@ def _output_logits(module: nn.Module, embedding: TokenEmbedding, y: Array) -> Ar
   y = y.astype(jnp.float32)
   if c.output_rescale:
     y = y * jnp.float32(c.emb_dim ** -0.5)
+  y = y.astype(_output_dtype(c))
   if not c.tie_output:
     logits = module.logits_dense(y)
   else:
