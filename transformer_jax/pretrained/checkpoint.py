@@ -17,18 +17,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
+import math
 import os
 from types import ModuleType
 
 import jax
-import ml_dtypes
 import numpy as np
-
 
 from transformer_jax import checkpoints
 from transformer_jax.pretrained import bart
 from transformer_jax.pretrained import bert
+from transformer_jax.pretrained import files
 from transformer_jax.pretrained import gpt2
 from transformer_jax.pretrained import mapping
 from transformer_jax.pretrained import marian
@@ -46,8 +45,7 @@ GENERATION_KEYS = ("num_beams", "max_length", "min_length", "length_penalty", "d
                    "decoder_start_token_id", "max_new_tokens")
 
 
-class PretrainedError(ValueError):
-  """A checkpoint that cannot be used; the message says what to do."""
+PretrainedError = files.PretrainedError
 
 
 @dataclasses.dataclass
@@ -127,12 +125,8 @@ def resolve(name_or_path: str) -> str:
         f"{name_or_path} --local-dir DIR`) and pass --pretrained DIR.") from e
 
 
-def _read_json(folder: str, name: str) -> dict:
-  path = os.path.join(folder, name)
-  if not os.path.exists(path):
-    return {}
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
+def _read_json(folder: str, name: str, **checks) -> dict:
+  return files.read_json(os.path.join(folder, name), **checks)
 
 
 def _check_weights(folder: str) -> None:
@@ -142,9 +136,12 @@ def _check_weights(folder: str) -> None:
   convert = ("convert them once where torch is installed: python -c \"import transformers as "
              "t; t.AutoModelForSeq2SeqLM.from_pretrained('NAME').save_pretrained('NEW_DIR')\" "
              "and pass NEW_DIR.")
-  if any(n.endswith(".bin") for n in names):
-    raise PretrainedError(f"{folder} has PyTorch .bin weights but no model.safetensors; "
-                          + convert.replace("NAME", folder))
+  # Never opened: unpickling a PyTorch file can run any code it holds.
+  pickles = sorted(n for n in names if n.endswith(files.PICKLE_SUFFIXES))
+  if pickles:
+    raise PretrainedError(f"{folder} has PyTorch {os.path.splitext(pickles[0])[1]} weights but "
+                          f"no model.safetensors ({os.path.join(folder, pickles[0])} is a pickle, never loaded "
+                          "here); " + convert.replace("NAME", folder))
   raise PretrainedError(f"{folder} has no weights (model.safetensors): pass a complete "
                         "Hugging Face model folder; for a hub model with only .bin weights, "
                         + convert.replace("NAME", "HUB_NAME"))
@@ -154,13 +151,14 @@ def _check_weights(folder: str) -> None:
 def open_checkpoint(name_or_path: str) -> Checkpoint:
   """Resolves and checks a checkpoint and translates its config; reads no weights."""
   folder = resolve(name_or_path)
-  hf_config = _read_json(folder, "config.json")
-  if not hf_config:
+  if not os.path.isfile(os.path.join(folder, "config.json")):
     raise PretrainedError(f"{folder} has no config.json; pass a Hugging Face model folder.")
+  hf_config = _read_json(folder, "config.json", keys=("model_type",))
   model_type = hf_config.get("model_type")
-  if model_type not in ARCHITECTURES:
-    raise PretrainedError(f"model_type {model_type!r} of {name_or_path} is not supported; "
-                          f"supported: {', '.join(sorted(ARCHITECTURES))}.")
+  if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
+    # Never imported: a folder's own modeling code (config.json's auto_map) is not read.
+    raise PretrainedError(f"{os.path.join(folder, 'config.json')}: model_type {model_type!r} is "
+                          f"not supported; supported: {', '.join(sorted(ARCHITECTURES))}.")
   _check_weights(folder)
   module = ARCHITECTURES[model_type]
   if hasattr(module, "complete_config"):
@@ -169,21 +167,34 @@ def open_checkpoint(name_or_path: str) -> Checkpoint:
     except ValueError as e:
       raise PretrainedError(f"{folder}: {e}.") from None
   tensors = _Tensors(folder)
+  _check_vocab_size(folder, hf_config, tensors)
   return describe(folder, hf_config, _read_json(folder, "generation_config.json"),
                   tied=_is_tied(tensors, module), tensor_names=frozenset(tensors.names))
+
+
+def _check_vocab_size(folder: str, hf_config: dict, tensors: "_Tensors") -> None:
+  """config.json's vocab_size is a count that the weights can hold: the renumbering of the
+  vocabulary (and the tokenizer's) allocates per id before any tensor is read."""
+  size = hf_config.get("vocab_size")
+  if not files.natural(size) or not 0 < size <= tensors.num_values:
+    raise PretrainedError(f"{os.path.join(folder, 'config.json')}: vocab_size {size!r} is not "
+                          f"a positive count that its weights ({tensors.num_values} values) "
+                          "can hold; the config.json is damaged or not this model's.")
 
 
 def describe(folder: str, hf_config: dict, generation_config: dict, tied: bool,
              tensor_names: frozenset[str] | None = None) -> Checkpoint:
   """The Checkpoint of a config.json and generation_config.json ({} where there is none)."""
   module = ARCHITECTURES[hf_config["model_type"]]
+  config_path = os.path.join(folder, "config.json")
   try:
     fields = module.model_fields(hf_config, tied=tied)
   except KeyError as e:
-    raise PretrainedError(f"config.json of {folder} has no {e}; it is not a complete "
+    raise PretrainedError(f"{config_path} has no {e}; it is not a complete "
                           f"{hf_config['model_type']} config.") from None
-  except ValueError as e:
-    raise PretrainedError(f"{folder}: {e}.") from None
+  except (ValueError, TypeError, ZeroDivisionError) as e:
+    raise PretrainedError(f"{config_path}: {e}.") from None
+  _check_sizes(config_path, fields)
   if not generation_config:  # older checkpoints keep generation settings in config.json
     generation_config = {k: v for k, v in hf_config.items() if k in GENERATION_KEYS}
   # transformers starts decoding from the generation config's start token where it has one.
@@ -194,42 +205,50 @@ def describe(folder: str, hf_config: dict, generation_config: dict, tied: bool,
   return Checkpoint(folder, hf_config, generation_config, fields, vocab, tensor_names)
 
 
+# The model's sizes, as model_fields translates them: each must be a positive count.
+_SIZES = ("vocab_size", "emb_dim", "num_heads", "num_layers", "qkv_dim", "mlp_dim", "max_len")
+
+
+def _check_sizes(config_path: str, fields: dict) -> None:
+  """The sizes config.json gives make a model: positive counts, heads dividing the width."""
+  sizes = {name: fields[name] for name in _SIZES if name in fields}
+  sizes.update({name: fields[name] for name in ("num_decoder_layers", "num_kv_heads")
+                if fields.get(name)})
+  for name, value in sizes.items():
+    if not files.natural(value) or value == 0:
+      raise PretrainedError(f"{config_path} gives the model {name} = {value!r}, which is not "
+                            "a positive count; the config.json is damaged or not this "
+                            "model's.")
+  if fields["qkv_dim"] % fields["num_heads"] or fields["num_heads"] % sizes.get(
+      "num_kv_heads", fields["num_heads"]):
+    raise PretrainedError(f"{config_path}: {fields['num_heads']} attention heads do not divide "
+                          f"the attention width {fields['qkv_dim']} (or are not a multiple of "
+                          "the key/value heads); the config.json is damaged or not this "
+                          "model's.")
+
+
 def vocab_map(hf_config: dict) -> vocab_lib.VocabMap:
   """The renumbering of a checkpoint's vocabulary (its pad -> 0, its eos -> 1)."""
   pad_id, eos_id = ARCHITECTURES[hf_config["model_type"]].special_ids(hf_config)
   return vocab_lib.VocabMap.create(hf_config["vocab_size"], pad_id, eos_id)
 
 
-# safetensors dtype names -> numpy (bfloat16 from ml_dtypes, which JAX depends on).
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-           "BOOL": np.bool_}
-
-
 class _Tensors:
   """Tensors by name across the checkpoint's safetensors files, read on demand.
 
-  The files are read with plain reads at the offsets their headers give (the safetensors
-  format: an 8-byte header length, a JSON header, the raw little-endian data), not memory-
-  mapped: a mapping's pages would count in the process's memory beside every copy made from
-  them (twice the weights' size at peak, benchmarks/RESULTS.md). bfloat16 checkpoints read
-  too (numpy has no bfloat16 of its own).
+  The headers are checked against the files first (`files.read_header`). The tensors are read
+  with plain reads at the offsets their headers give, not memory-mapped: a mapping's pages
+  would count in the process's memory beside every copy made from them (twice the weights'
+  size at peak, benchmarks/RESULTS.md). bfloat16 checkpoints read too (numpy has no bfloat16
+  of its own).
   """
 
   def __init__(self, folder: str):
-    index = _read_json(folder, WEIGHTS_INDEX).get("weight_map")
-    self._where = {}
-    for name in sorted(set(index.values())) if index else [WEIGHTS]:
-      path = os.path.join(folder, name)
-      with open(path, "rb") as f:
-        length = int.from_bytes(f.read(8), "little")
-        if length > os.path.getsize(path):
-          raise PretrainedError(f"{path} is not a safetensors file (a Git LFS pointer? run "
-                                "`git lfs pull` in the checkpoint's repository).")
-        header = json.loads(f.read(length))
-      header.pop("__metadata__", None)
-      for key, info in header.items():
-        self._where[key] = (path, 8 + length, info)
+    self._folder = folder
+    if os.path.isfile(os.path.join(folder, WEIGHTS_INDEX)):
+      self._where = files.read_index(folder, WEIGHTS_INDEX)
+    else:
+      self._where = files.read_header(os.path.join(folder, WEIGHTS))
 
   def __contains__(self, name: str) -> bool:
     return name in self._where
@@ -238,20 +257,26 @@ class _Tensors:
   def names(self) -> list[str]:
     return list(self._where)
 
-  def __getitem__(self, name: str) -> np.ndarray:
+  @property
+  def num_values(self) -> int:
+    """How many values all the tensors hold together."""
+    return sum(math.prod(info.shape) for info in self._where.values())
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return self._info(name).shape
+
+  def path(self, name: str) -> str:
+    """The file that holds tensor `name`."""
+    return self._info(name).path
+
+  def _info(self, name: str) -> files.TensorInfo:
     if name not in self._where:
-      raise PretrainedError(f"The checkpoint has no tensor {name}: the weights do not match "
-                            "its config.json.")
-    path, data_start, info = self._where[name]
-    if info["dtype"] not in _DTYPES:
-      raise PretrainedError(f"Tensor {name} of {path} has dtype {info['dtype']}, which is not "
-                            "supported.")
-    dtype = np.dtype(_DTYPES[info["dtype"]]).newbyteorder("<")
-    begin, end = info["data_offsets"]
-    with open(path, "rb") as f:
-      f.seek(data_start + begin)
-      array = np.fromfile(f, dtype, (end - begin) // dtype.itemsize)
-    return array.reshape(info["shape"])
+      raise PretrainedError(f"The weights in {self._folder} have no tensor {name}: they do not "
+                            "match its config.json (from different models?).")
+    return self._where[name]
+
+  def __getitem__(self, name: str) -> np.ndarray:
+    return self._info(name).read()
 
 
 def _is_tied(tensors: _Tensors, module: ModuleType) -> bool:
@@ -275,6 +300,7 @@ def read_params(checkpoint: Checkpoint, expected=None, *, reset_head: bool = Fal
                                                frozenset(tensors.names))
   if reset_head:
     table = [entry for entry in table if entry.path[0] != "head"]
+  _check_table(table, tensors, expected, checkpoint)
   try:
     params = mapping.build_params(table, tensors.__getitem__, checkpoint.shapes())
   except ValueError as e:  # a reshape of a tensor of another size
@@ -285,6 +311,39 @@ def read_params(checkpoint: Checkpoint, expected=None, *, reset_head: bool = Fal
   if expected is not None:
     _check_shapes(params, expected, checkpoint.folder)
   return params
+
+
+def _check_table(table: list[mapping.Entry], tensors: _Tensors, expected,
+                 checkpoint: Checkpoint) -> None:
+  """Before any tensor is read: the weights hold every tensor the table names and, given the
+  model's `expected` shapes, as many values as each parameter needs. A config.json describing
+  a larger model than its weights fails here, with nothing allocated."""
+  vocab = checkpoint.vocab
+  for entry in table:
+    shapes = [tensors.shape(name) for name in entry.hf]
+    leaf = _leaf(expected, entry.path) if expected is not None else None
+    if leaf is None:
+      continue
+    held = sum(math.prod(shape) for shape in shapes)
+    if entry.kind == "offset_rows":
+      held -= entry.offset * math.prod(shapes[0][1:])
+    elif entry.kind.startswith("vocab_") and vocab.added_pad:
+      held += held // vocab.checkpoint_size  # the added pad's row
+    if held != math.prod(leaf.shape):
+      raise PretrainedError(
+          f"{tensors.path(entry.hf[0])}: tensor {entry.hf[0]!r} (shape {list(shapes[0])}) does "
+          f"not fit the model that {os.path.join(checkpoint.folder, 'config.json')} describes "
+          f"(its {'/'.join(entry.path)} is {list(leaf.shape)}): the config.json and the "
+          "weights are from different models.")
+
+
+def _leaf(tree, path: tuple[str, ...]):
+  """The leaf of nested dicts `tree` at `path`, or None."""
+  for key in path:
+    if not isinstance(tree, dict) or key not in tree:
+      return None
+    tree = tree[key]
+  return tree
 
 
 def missing_params(params: dict, expected) -> list[tuple]:

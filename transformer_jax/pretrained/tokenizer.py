@@ -33,6 +33,8 @@ import numpy as np
 import transformers
 
 from transformer_jax import workdir as workdir_lib
+from transformer_jax.pretrained import chat_template
+from transformer_jax.pretrained import files
 from transformer_jax.pretrained.vocab import VocabMap
 
 # Weight files share a checkpoint folder with the tokenizer files; a bucket load skips them.
@@ -253,13 +255,16 @@ def _load_hf(local: str, shown: str) -> transformers.PreTrainedTokenizerBase:
   """AutoTokenizer on a local folder, with every failure one ValueError saying what to do."""
   if not os.path.isdir(local):
     raise ValueError(f"{shown} is not a folder: give the folder of {_FILES_HINT}.")
+  _check_json_files(local, shown)
   try:
     with warnings.catch_warnings():
       # Marian asks for sacremoses, which its tokenizer never calls when encoding.
       warnings.filterwarnings("ignore", message="Recommended: pip install sacremoses")
       # local_files_only: a folder without tokenizer files must fail here, not turn into a
       # download of a Hub repository of the same name.
-      tok = transformers.AutoTokenizer.from_pretrained(local, local_files_only=True)
+      # trust_remote_code=False: a folder's own tokenizer code (auto_map) is never imported.
+      tok = transformers.AutoTokenizer.from_pretrained(local, local_files_only=True,
+                                                       trust_remote_code=False)
   except Exception as error:  # pylint: disable=broad-except
     if (importlib.util.find_spec("google.protobuf") is None
         and any(name.endswith((".model", ".spm")) for name in os.listdir(local))):
@@ -278,7 +283,22 @@ def _load_hf(local: str, shown: str) -> transformers.PreTrainedTokenizerBase:
   if not any(os.path.isfile(os.path.join(local, name)) for name in names):
     raise ValueError(f"{shown} has none of the files of a {type(tok).__name__} "
                      f"({', '.join(sorted(names))}): copy {_FILES_HINT} into it.")
+  chat_template.check(local, shown, bos_token=tok.bos_token, eos_token=tok.eos_token)
   return tok
+
+
+# The tokenizer's JSON files and the keys each must have, checked before transformers reads
+# them so that a damaged one is named (transformers reports a bare JSON parser error).
+_JSON_FILES = {"tokenizer_config.json": (), "tokenizer.json": ("model",),
+               "special_tokens_map.json": (), "vocab.json": (), "added_tokens.json": ()}
+
+
+def _check_json_files(local: str, shown: str) -> None:
+  for name, keys in _JSON_FILES.items():
+    try:
+      files.read_json(os.path.join(local, name), keys=keys)
+    except files.PretrainedError as e:
+      raise files.PretrainedError(str(e).replace(local, shown)) from None
 
 
 def _saved_files(tok, scratch: str) -> list[tuple[str, bytes]]:
