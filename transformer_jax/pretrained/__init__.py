@@ -1,6 +1,9 @@
 """Hugging Face checkpoints in and out: the only package that knows Hugging Face names.
 
   checkpoint.py  folder / hub name -> config translation and parameters (safetensors)
+  files.py       a folder's files as untrusted input: safetensors headers and shard indexes
+                 checked against the files, JSON files, nothing unpickled or imported
+  chat_template.py  a tokenizer's chat template, checked and rendered in jinja2's sandbox
   t5.py, bart.py, marian.py  encoder-decoders: config fields, special ids, weight table
   bert.py        BERT / RoBERTa / XLM-R classifiers (the same, plus the classification head)
   gpt2.py        GPT-2 as the decoder-only family
