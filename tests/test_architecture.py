@@ -194,14 +194,15 @@ import jax, jax.numpy as jnp, numpy as np
 from transformer_jax import generate, parallel
 
 class RandomFamily:  # outputs random bits: rows that share a key give equal outputs
-  def decode(self, params, inputs, rng, *, decoding_config, nbest):
-    bits = jax.random.bits(rng, (inputs.shape[0], nbest, 1), jnp.uint32).astype(jnp.int32)
-    return bits, jnp.zeros((inputs.shape[0], nbest))
+  def decode(self, params, inputs, keys, *, decoding_config, nbest):
+    bits = jax.vmap(lambda key: jax.random.bits(key, (nbest, 1), jnp.uint32))(keys)
+    return bits.astype(jnp.int32), jnp.zeros((inputs.shape[0], nbest))
 
 layout = parallel.DataParallel()
 run = generate.decode_fn(RandomFamily(), None, layout)
 inputs = layout.eval_batch(np.ones((4, 8), np.int32))  # one identical row per device
-tokens, _ = layout.host_rows(run(None, inputs, jax.random.PRNGKey(0)))
+keys = layout.eval_batch(generate.row_keys(0, 0, 4))
+tokens, _ = layout.host_rows(run(None, inputs, keys))
 print(len(set(tokens[:, 0, 0].tolist())))
 """
 

@@ -279,7 +279,9 @@ def sample(cache: Any, tokens_to_logits: TokensToLogits, rng: Array, *, batch_si
   Args:
     cache: decoder cache for `batch_size` rows (expanded to batch * num_decodes here).
     tokens_to_logits: ([rows, 1] ids, cache) -> ([rows, vocab] logits, cache).
-    rng: PRNG key.
+    rng: PRNG key, or a key per input row ([batch_size] keys): then each row (and each of its
+      `num_decodes` samples) draws from its own key, so a row's samples do not depend on the
+      other rows of the batch.
     batch_size: rows of the cache (inputs).
     bos_id: first decoder input token.
     eos_id: end-of-sequence id.
@@ -306,9 +308,11 @@ def sample(cache: Any, tokens_to_logits: TokensToLogits, rng: Array, *, batch_si
   temperature = jnp.asarray(temperature, jnp.float32)
   greedy = temperature == 0
 
+  draw = _row_sampler(rng, batch_size, copies)
+
   def choose(logits, step):
     scaled = filter_logits(logits / jnp.where(greedy, 1.0, temperature), top_k, top_p)
-    sampled = jax.random.categorical(jax.random.fold_in(rng, step), scaled)
+    sampled = draw(scaled, step)
     return jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
 
   tokens, logprobs = _decode_loop(
@@ -322,6 +326,19 @@ def sample(cache: Any, tokens_to_logits: TokensToLogits, rng: Array, *, batch_si
     tokens = jnp.take_along_axis(tokens, order[:, :, None], axis=1)
     logprobs = jnp.take_along_axis(logprobs, order, axis=1)
   return (tokens, logprobs) if return_logprobs else tokens
+
+
+def _row_sampler(rng: Array, batch_size: int, copies: int):
+  """draw(scaled logits [batch * copies, vocab], step) -> sampled ids, from one key for the
+  whole batch, or from `rng`'s key per input row (row b's copy c: fold_in(rng[b], c))."""
+  typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+  if jnp.ndim(rng) == (0 if typed else 1):
+    return lambda scaled, step: jax.random.categorical(jax.random.fold_in(rng, step), scaled)
+  copy_keys = jax.vmap(lambda key: jax.vmap(lambda c: jax.random.fold_in(key, c))(
+      jnp.arange(copies)))(rng)  # [batch, copies] keys
+  flat = copy_keys.reshape((batch_size * copies,) + copy_keys.shape[2:])
+  one = lambda key, step, logits: jax.random.categorical(jax.random.fold_in(key, step), logits)
+  return lambda scaled, step: jax.vmap(one, in_axes=(0, None, 0))(flat, step, scaled)
 
 
 # ---- Beam search ---------------------------------------------------------------------------

@@ -1,17 +1,21 @@
-"""Generation over a model family: compiled decode functions, length buckets, batching.
+"""Generation over a model family: compiled decode functions, length and batch buckets.
 
 A family (families.py) knows how to start decoding its model; this module runs the search the
-config names (decoding.py), compiles it once per source length under the device layout, and
-turns lists of token sequences into outputs in order. Evaluation and predict both use
+config names (decoding.py), compiles it once per (source length, rows) bucket under the
+device layout, and turns lists of token sequences into outputs in order. A call of n inputs
+decodes the smallest batch bucket that holds them (devices x a power of two, up to the
+configured batch), not the whole configured batch. Evaluation and predict both use
 `Generator`.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import json
 from typing import Any, Sequence
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -98,25 +102,62 @@ def search(cache: Any, tokens_to_logits: decoding.TokensToLogits, rng: Array, *,
   return tokens[:, :nbest], scores[:, :nbest]
 
 
+# Compiled decoding programs kept per decoding setting, one per (source length, rows) bucket:
+# the most recently used this many.
+MAX_PROGRAMS = 32
+
+
 def decode_fn(family, decoding_config: ml_collections.ConfigDict, layout=None, nbest: int = 1):
-  """(placed params, placed inputs, rng) -> (output ids [.., nbest, len] ([.., nbest, 1]
-  class ids for a classifier), scores [.., nbest]), compiled by `layout` (default pmap) once
-  per source length. Every device draws its own random numbers from `rng`."""
+  """(placed params, placed inputs [rows, len], placed row keys [rows]) -> (output ids
+  [.., nbest, len] ([.., nbest, 1] class ids for a classifier), scores [.., nbest]), compiled
+  by `layout` (default pmap) once per (source length, rows), the most recent MAX_PROGRAMS
+  kept. Each row samples with its own key (`row_keys`), wherever the layout puts it."""
   layout = layout or parallel.DataParallel()
-  compiled: dict[int, Any] = {}  # by source length
+  compiled: collections.OrderedDict = collections.OrderedDict()  # by (source length, rows)
 
-  def per_device(params, inputs, rng):
-    if layout.axis_name is not None:  # pmap: one program per device, the same rng
-      rng = jax.random.fold_in(rng, jax.lax.axis_index(layout.axis_name))
-    return family.decode(params, inputs, rng, decoding_config=decoding_config, nbest=nbest)
+  def per_device(params, inputs, keys):
+    return family.decode(params, inputs, keys, decoding_config=decoding_config, nbest=nbest)
 
-  def run(device_params, device_inputs, rng):
-    source_len = device_inputs.shape[-1]
-    if source_len not in compiled:
-      compiled[source_len] = layout.compile_decode(per_device)
-    return compiled[source_len](device_params, device_inputs, rng)
+  def run(device_params, device_inputs, device_keys):
+    shape = (device_inputs.shape[-1], rows_of(device_inputs))
+    if shape not in compiled:
+      logging.info("Compiling decoding (%s, %d-best) for %d rows of %d source tokens.",
+                   getattr(decoding_config, "method", "classifier"), nbest, shape[1], shape[0])
+      compiled[shape] = layout.compile_decode(per_device)
+      if len(compiled) > MAX_PROGRAMS:
+        compiled.popitem(last=False)
+    compiled.move_to_end(shape)
+    return compiled[shape](device_params, device_inputs, device_keys)
 
+  run.programs = compiled  # inspection: the (source length, rows) buckets compiled so far
   return run
+
+
+def rows_of(device_inputs) -> int:
+  """Rows of a placed batch: [devices, rows / devices, len] under pmap, [rows, len] global."""
+  return int(np.prod(device_inputs.shape[:-1]))
+
+
+def batch_bucket(count: int, batch_size: int, devices: int) -> int:
+  """Rows decoded for `count` inputs: the smallest `devices` x 2^k that holds them, at most
+  `batch_size` (a multiple of `devices`). A one-sentence call decodes one row per device."""
+  rows = devices
+  while rows < count:
+    rows *= 2
+  return min(rows, batch_size)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _fold_rows(key: Array, batch_index: int, rows: int) -> Array:
+  batch_key = jax.random.fold_in(key, batch_index)
+  return jax.vmap(lambda row: jax.random.fold_in(batch_key, row))(jnp.arange(rows))
+
+
+def row_keys(seed: int, batch_index: int, rows: int) -> np.ndarray:
+  """A sampling key per row of batch `batch_index` of a call: fold_in(fold_in(seed, batch),
+  row). A row's samples depend on its input and position alone, not on how many rows the
+  batch was padded to or which device decodes it."""
+  return np.asarray(_fold_rows(jax.random.PRNGKey(seed), batch_index, rows))
 
 
 def bucket_length(num_tokens: int, max_len: int) -> int:
@@ -132,8 +173,8 @@ def generate_ids(p_decode, device_params, prompts: Sequence[np.ndarray], max_len
                  ) -> list[tuple[np.ndarray, np.ndarray]]:
   """(output ids [nbest, len], scores [nbest]) for token sequences of any length (EOS
   included), in order. Grouped into length buckets so short ones are not padded to the
-  longest; batch k of the whole call samples with key fold_in(seed, k), so no two batches
-  share random numbers."""
+  longest, and each batch padded only to its batch bucket; row r of batch k of the whole call
+  samples with key fold_in(fold_in(seed, k), r), so no two rows share random numbers."""
   layout = layout or parallel.DataParallel()
   buckets: dict[int, list[int]] = {}
   for i, ids in enumerate(prompts):
@@ -143,12 +184,15 @@ def generate_ids(p_decode, device_params, prompts: Sequence[np.ndarray], max_len
   for length, indices in sorted(buckets.items()):
     for start in range(0, len(indices), batch_size):
       chosen = indices[start:start + batch_size]
-      sources = np.zeros((batch_size, length), np.int32)  # fixed shape: one compile per length
+      # Bucketed shapes: one compile per (length, rows) bucket, whatever the call's size.
+      rows = batch_bucket(len(chosen), batch_size, layout.eval_devices)
+      sources = np.zeros((rows, length), np.int32)
       for row, i in enumerate(chosen):
         sources[row, :len(prompts[i])] = prompts[i]
-      rng = jax.random.fold_in(jax.random.PRNGKey(seed), batch_index)
+      keys = row_keys(seed, batch_index, rows)
       batch_index += 1
-      tokens, scores = layout.host_rows(p_decode(device_params, layout.eval_batch(sources), rng))
+      tokens, scores = layout.host_rows(p_decode(device_params, layout.eval_batch(sources),
+                                                 layout.eval_batch(keys)))
       for row, i in enumerate(chosen):
         outputs[i] = (tokens[row], scores[row])
   return outputs

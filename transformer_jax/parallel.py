@@ -119,8 +119,8 @@ class DataParallel:
     return jax.pmap(fn, axis_name=AXIS)
 
   def compile_decode(self, fn: Callable) -> Callable:
-    """fn(params, inputs, rng) -> outputs per row (no collectives)."""
-    return jax.pmap(fn, axis_name=AXIS, in_axes=(0, 0, None))
+    """fn(params, inputs, row keys) -> outputs per row (no collectives)."""
+    return jax.pmap(fn, axis_name=AXIS)
 
   def host_sums(self, tree: Any) -> Any:
     return jax.tree.map(first_local_copy, tree)

@@ -139,9 +139,10 @@ def _check_weights(folder: str) -> None:
   # Never opened: unpickling a PyTorch file can run any code it holds.
   pickles = sorted(n for n in names if n.endswith(files.PICKLE_SUFFIXES))
   if pickles:
-    raise PretrainedError(f"{folder} has PyTorch {os.path.splitext(pickles[0])[1]} weights but "
-                          f"no model.safetensors ({os.path.join(folder, pickles[0])} is a pickle, never loaded "
-                          "here); " + convert.replace("NAME", folder))
+    pickle = os.path.join(folder, pickles[0])
+    raise PretrainedError(f"{folder} has PyTorch {os.path.splitext(pickle)[1]} weights but no "
+                          f"model.safetensors ({pickle} is a pickle, never loaded here); "
+                          + convert.replace("NAME", folder))
   raise PretrainedError(f"{folder} has no weights (model.safetensors): pass a complete "
                         "Hugging Face model folder; for a hub model with only .bin weights, "
                         + convert.replace("NAME", "HUB_NAME"))
