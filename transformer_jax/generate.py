@@ -122,7 +122,7 @@ def decode_fn(family, decoding_config: ml_collections.ConfigDict, layout=None, n
     shape = (device_inputs.shape[-1], rows_of(device_inputs))
     if shape not in compiled:
       logging.info("Compiling decoding (%s, %d-best) for %d rows of %d source tokens.",
-                   getattr(decoding_config, "method", "classifier"), nbest, shape[1], shape[0])
+                   getattr(decoding_config, "method", "-"), nbest, shape[1], shape[0])
       compiled[shape] = layout.compile_decode(per_device)
       if len(compiled) > MAX_PROGRAMS:
         compiled.popitem(last=False)

@@ -153,19 +153,36 @@ def dropout_keep_mask(rng: Array, rate: float, shape: tuple[int, ...]) -> tuple[
   return draws.astype(jnp.int32) >= threshold, 1.0 - rate
 
 
+def float32_sum_dot(lhs: Array, rhs: Array, dimension_numbers, precision=None,
+                    preferred_element_type=None, **kwargs) -> Array:
+  """`jax.lax.dot_general` of operands in their own dtype, products summed and returned in
+  float32 (a bfloat16 model's output layer on the bfloat16 matrix units, float32 logits).
+  XLA:CPU has no bfloat16 x bfloat16 = float32 product, so there the same rounded operands are
+  multiplied in float32 (products of bfloat16 values are exact in float32: the same sums)."""
+  del preferred_element_type, kwargs  # always float32
+  if jax.default_backend() == "cpu":
+    lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
+  return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision,
+                             preferred_element_type=jnp.float32)
+
+
+def _contract_last(a: Array, b: Array, b_axis: int) -> Array:
+  """a [..., k] against b's axis `b_axis` (of 2) -> [..., b's other axis], float32 sums."""
+  return float32_sum_dot(a, b, (((a.ndim - 1,), (b_axis,)), ((), ())))
+
+
 @jax.custom_vjp
 def tied_logits(y: Array, table: Array) -> Array:
   """Float32 output logits from the embedding table, y @ table.T: [..., d], [vocab, d] ->
   [..., vocab]. The products read y's dtype (the table is cast to it) and are summed in
-  float32: a bfloat16 model's output layer runs on the bfloat16 matrix units, and its logits
-  keep float32 precision for the softmax.
+  float32 (`float32_sum_dot`): a bfloat16 model's output layer runs on the bfloat16 matrix
+  units, and its logits keep float32 precision for the softmax.
 
   The custom VJP computes the table's gradient as (y^T g)^T, a [d, vocab] product transposed,
   rather than g^T y: for the latter XLA:CPU first copies the [tokens, vocab] gradient g into
   transposed layout, the largest array of the step. The backward products read g in y's dtype.
   """
-  return jnp.einsum("...d,vd->...v", y, table.astype(y.dtype),
-                    preferred_element_type=jnp.float32)
+  return _contract_last(y, table.astype(y.dtype), 1)
 
 
 def _tied_logits_fwd(y: Array, table: Array):
@@ -175,8 +192,9 @@ def _tied_logits_fwd(y: Array, table: Array):
 def _tied_logits_bwd(residuals, g: Array):
   y, table = residuals
   g = g.astype(y.dtype)
-  d_y = jnp.einsum("...v,vd->...d", g, table.astype(y.dtype), preferred_element_type=jnp.float32)
-  d_table = jnp.einsum("...d,...v->dv", y, g, preferred_element_type=jnp.float32).T
+  d_y = _contract_last(g, table.astype(y.dtype), 0)  # [..., d]
+  leading = tuple(range(y.ndim - 1))
+  d_table = float32_sum_dot(y, g, ((leading, leading), ((), ()))).T  # [vocab, d]
   return d_y.astype(y.dtype), d_table.astype(table.dtype)
 
 

@@ -13,7 +13,6 @@ padding) and `*_position` arrays; masks, positions and the right shift respect t
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import flax.linen as nn
@@ -220,8 +219,8 @@ def _layer_norm(c: TransformerConfig, name: str) -> nn.Module:
 def _logits_dense(c: TransformerConfig) -> nn.Dense:
   """The output layer when it is not tied to the embedding."""
   # Operands in the output's dtype, products summed and returned in float32.
-  dot = functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32)
-  return nn.Dense(c.vocab_size, dtype=_output_dtype(c), use_bias=c.use_bias, dot_general=dot,
+  return nn.Dense(c.vocab_size, dtype=_output_dtype(c), use_bias=c.use_bias,
+                  dot_general=layers.float32_sum_dot,
                   kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
                                                            ("embed", "vocab")),
                   bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(),

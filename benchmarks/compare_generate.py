@@ -1,0 +1,194 @@
+"""Generation speed against transformers `generate` on the same Hugging Face folder.
+
+  python benchmarks/compare_generate.py --pretrained DIR [--batch_sizes 1,8,32] \
+      [--methods greedy,beam4,sample] [--new_tokens 64] [--rounds 3] [--threads 2]
+  # A folder of random weights at a known size first (no download needed): gpt2 (124M,
+  # decoder-only) or t5-small (60M, encoder-decoder), with a small trained tokenizer:
+  python benchmarks/compare_generate.py --make gpt2 --pretrained /tmp/gpt2_size
+
+Both sides decode the same prompts (the same token ids: ours as `Predictor.from_pretrained`
+builds them; transformers gets them as input_ids, left-padded with an attention mask) for
+exactly --new_tokens tokens (EOS is held back until then: our `min_length` / `max_decode_len`,
+transformers' `min_new_tokens` / `max_new_tokens`), float32, greedy (`num_beams=1`), beam 4
+(`num_beams=4`, our beam search) or sampling (temperature 1, no top-k / top-p). Each (side,
+method, batch) runs in a process of its own with --threads threads (XLA's CPU thread pool is
+the machine's cores; torch.set_num_threads), one untimed call first (our compile), then the
+median of --rounds calls. Prints one JSON line per measurement and a table, with the
+memory-bandwidth bound at batch 1: every weight is read once per token, so tokens/s can be at
+most (measured read bandwidth) / (bytes of weights). A benchmark, not a test.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+METHODS = {"greedy": dict(method="greedy"), "beam4": dict(method="beam", beam_size=4),
+           "sample": dict(method="sample", temperature=1.0, top_k=0, top_p=1.0)}
+SIZES = {
+    "gpt2": dict(model_type="gpt2", n_embd=768, n_layer=12, n_head=12, n_positions=1024,
+                 vocab_size=50257),
+    "t5-small": dict(model_type="t5", d_model=512, d_kv=64, d_ff=2048, num_layers=6,
+                     num_heads=8, vocab_size=32128, feed_forward_proj="relu",
+                     tie_word_embeddings=True, decoder_start_token_id=0),
+}
+
+
+def make_folder(size: str, folder: str) -> None:
+  """A Hugging Face folder of `size` with random weights and a small trained tokenizer (its
+  pieces are the first ids of the model's vocabulary)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  from tests import hf_fixtures  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(0)
+  texts = hf_fixtures.model_sentences("en")
+  hf = dict(SIZES[size])
+  if hf.pop("model_type") == "gpt2":
+    files = hf_fixtures.gpt2_tokenizer_files(folder, texts, vocab_size=800)
+    end = files.eos_id  # the tokenizer's <|endoftext|>
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        **hf, bos_token_id=end, eos_token_id=end))
+  else:
+    hf_fixtures.t5_tokenizer_files(folder, texts)
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        **hf, pad_token_id=0, eos_token_id=1))
+  model.save_pretrained(folder)
+
+
+def prompts(folder: str, batch_size: int) -> tuple[list, list[list[int]]]:
+  """Our prompts (internal ids) and the same as the checkpoint's ids, `batch_size` of them."""
+  from tests import hf_fixtures  # pylint: disable=g-import-not-at-top
+  from transformer_jax import predict  # pylint: disable=g-import-not-at-top
+  predictor = predict.Predictor.from_pretrained(folder)
+  texts = hf_fixtures.model_sentences("en")
+  ours = list(predictor._prompts([texts[i % len(texts)] for i in range(batch_size)]).values())  # pylint: disable=protected-access
+  return predictor, ours, [predictor.tokenizer.to_hf(p) for p in ours]
+
+
+def run_ours(folder: str, method: str, batch_size: int, new_tokens: int):
+  predictor, ours, _ = prompts(folder, batch_size)
+  # max_decode_len counts the EOS too: EOS held back for new_tokens - 1 steps, N steps run.
+  decoding = predictor.decoding_config(**METHODS[method], min_length=new_tokens - 1,
+                                       max_decode_len=new_tokens)
+  return lambda: predictor.output_ids(ours, 1, decoding)
+
+
+def run_torch(folder: str, method: str, batch_size: int, new_tokens: int, threads: int):
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  torch.set_num_threads(threads)
+  _, _, hf_prompts = prompts(folder, batch_size)
+  config = transformers.AutoConfig.from_pretrained(folder)
+  auto = (transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder
+          else transformers.AutoModelForCausalLM)
+  model = auto.from_pretrained(folder, dtype=torch.float32).eval()
+  pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+  width = max(map(len, hf_prompts))
+  left = not config.is_encoder_decoder  # a causal LM continues the prompt's last token
+  ids = torch.tensor([[pad] * (width - len(p)) + list(p) if left else
+                      list(p) + [pad] * (width - len(p)) for p in hf_prompts])
+  mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) if left else
+                       [1] * len(p) + [0] * (width - len(p)) for p in hf_prompts])
+  m = METHODS[method]
+  kwargs = dict(num_beams=m.get("beam_size", 1), do_sample=m["method"] == "sample",
+                min_new_tokens=new_tokens, max_new_tokens=new_tokens, pad_token_id=pad)
+  if kwargs["do_sample"]:
+    kwargs.update(temperature=1.0, top_k=0, top_p=1.0)
+
+  def call():
+    with torch.inference_mode():
+      return model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+
+  return call
+
+
+def read_bandwidth() -> float:
+  """Bytes per second of a read of a 1 GiB array (numpy sum), best of 5."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  array = np.ones(2 ** 28, np.float32)
+  best = float("inf")
+  for _ in range(5):
+    start = time.perf_counter()
+    array.sum()
+    best = min(best, time.perf_counter() - start)
+  return array.nbytes / best
+
+
+def measure(args) -> dict:
+  """One side's tokens per second (median of --rounds calls after a warm-up)."""
+  if args.side == "ours":
+    call = run_ours(args.pretrained, args.method, args.batch, args.new_tokens)
+  else:
+    call = run_torch(args.pretrained, args.method, args.batch, args.new_tokens, args.threads)
+  call()
+  times = []
+  for _ in range(args.rounds):
+    start = time.perf_counter()
+    call()
+    times.append(time.perf_counter() - start)
+  seconds = statistics.median(times)
+  return {"side": args.side, "method": args.method, "batch": args.batch,
+          "seconds": seconds, "tokens_per_s": args.batch * args.new_tokens / seconds}
+
+
+def weights_bytes(folder: str) -> int:
+  """Bytes of the weights as float32 (what both sides compute in)."""
+  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+  with safe_open(os.path.join(folder, "model.safetensors"), "np") as f:
+    return sum(4 * math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--pretrained", required=True)
+  parser.add_argument("--make", choices=sorted(SIZES))
+  parser.add_argument("--batch_sizes", default="1,8,32")
+  parser.add_argument("--methods", default="greedy,beam4,sample")
+  parser.add_argument("--new_tokens", type=int, default=64)
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--threads", type=int, default=os.cpu_count())
+  parser.add_argument("--side", choices=["ours", "torch"])  # internal: one measurement
+  parser.add_argument("--method", choices=sorted(METHODS))
+  parser.add_argument("--batch", type=int)
+  args = parser.parse_args()
+  if args.side:
+    print(json.dumps(measure(args)), flush=True)
+    return
+  if args.make:
+    make_folder(args.make, args.pretrained)
+  bandwidth = read_bandwidth()
+  bound = bandwidth / weights_bytes(args.pretrained)  # tokens/s at batch 1
+  print(json.dumps({"read_bandwidth_gb_s": bandwidth / 1e9, "batch1_bound_tokens_per_s": bound}))
+  rows = []
+  for method in args.methods.split(","):
+    for batch in map(int, args.batch_sizes.split(",")):
+      result = {}
+      for side in ("ours", "torch"):
+        out = subprocess.run(
+            [sys.executable, __file__, "--side", side, "--pretrained", args.pretrained,
+             "--method", method, "--batch", str(batch), "--new_tokens", str(args.new_tokens),
+             "--rounds", str(args.rounds), "--threads", str(args.threads)],
+            capture_output=True, text=True, check=False,
+            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        if out.returncode:
+          sys.exit(f"{side} {method} batch {batch} failed:\n{out.stderr[-3000:]}")
+        result[side] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(json.dumps(result[side]), flush=True)
+      rows.append((method, batch, result["ours"]["tokens_per_s"],
+                   result["torch"]["tokens_per_s"]))
+  print(f"\n{'method':8s} {'batch':>5s} {'ours tok/s':>11s} {'generate tok/s':>15s} {'ratio':>6s}"
+        f" {'of bound':>9s}")
+  for method, batch, ours, theirs in rows:
+    of_bound = f"{ours / bound:8.2f}x" if batch == 1 else ""
+    print(f"{method:8s} {batch:5d} {ours:11.1f} {theirs:15.1f} {ours / theirs:5.2f}x {of_bound}")
+
+
+if __name__ == "__main__":
+  main()
