@@ -1,18 +1,36 @@
-"""Fine-tuning step time of a t5-small-size model: this project against PyTorch transformers.
+"""Fine-tuning step time of an imported model's architecture: this project against PyTorch
+transformers, on the same shapes.
 
-  python benchmarks/compare_pretrained_step.py [--batch_size 8 --seq_len 64 --rounds 5 --steps 3]
+  python benchmarks/compare_pretrained_step.py [--model t5-small|t5-base|gpt2-0.5b]
+      [--dtype float32|bfloat16] [--device cpu|cuda] [--compile]
+      [--batch_size 8 --seq_len 64 --rounds 5 --steps 3]
 
-Both sides: T5 v1.0 at t5-small's size (60M parameters: d_model 512, 6 + 6 layers, 8 heads,
-FFN 2048, vocabulary 32128, tied output with the d^-0.5 rescale, relative position bias),
-float32, dropout 0.1, cross-entropy without label smoothing, Adam (AdamW in PyTorch, weight
-decay 0), random tokens with sources and targets of --seq_len. Ours: the model that
-`config.pretrained` builds for a T5 checkpoint (pretrained/t5.py's fields), trained by
-train.py's compiled step. PyTorch: `T5ForConditionalGeneration` eager, and compiled with
-`torch.compile` where that works (--compile).
+Models, the same on both sides: t5-small (60M parameters: d_model 512, 6 + 6 layers, 8 heads,
+FFN 2048) and t5-base (223M: d_model 768, 12 + 12 layers, 12 heads, FFN 3072), T5 v1.0 (relu,
+vocabulary 32128, tied output with the d^-0.5 rescale, relative position bias); gpt2-0.5b, a
+GPT-2 (pre-LN, learned positions, tanh GELU, tied output) of 506M parameters: n_embd 1024,
+36 layers, 16 heads, 1024 positions, vocabulary 50257. Both sides: dropout 0.1,
+cross-entropy without label smoothing, Adam (AdamW in PyTorch, weight decay 0), float32
+parameters (--dtype bfloat16: bf16 compute), random token ids.
+
+Each step computes, per row of --seq_len tokens:
+  t5        ours: `config.pretrained`'s model for a T5 checkpoint (pretrained/t5.py's fields),
+            source and target of --seq_len tokens, loss on all target positions. PyTorch:
+            `T5ForConditionalGeneration(input_ids, labels=labels)`, the same lengths.
+  gpt2-0.5b ours: `config.pretrained`'s model for a GPT-2 checkpoint (pretrained/gpt2.py's
+            fields, the decoder_only family), one sequence of --seq_len tokens as `targets`
+            with loss weight 1 everywhere: the model shifts it right behind bos, so the loss
+            covers all --seq_len positions (plain LM, no source part). PyTorch:
+            `GPT2LMHeadModel(input_ids, labels=input_ids)`: --seq_len positions read, the loss
+            on the --seq_len - 1 next-token predictions.
+Ours is trained by train.py's compiled step on JAX's default backend (config.model.dtype
+'bfloat16' for --dtype bfloat16); PyTorch on --device, eager and, with --compile, under
+`torch.compile`, its forward under `torch.autocast(dtype=torch.bfloat16)` for --dtype bfloat16
+(on cuda: fused AdamW, and a `torch.cuda.synchronize()` ending each step).
 
 Each side runs in its own process and they take turns, `--steps` steps each per round, so
 that both see the same drift of a shared machine; prints one JSON line (median seconds per
-step over the rounds, and the ratio). A benchmark, not a test.
+step over the rounds, and the ratios). A benchmark, not a test.
 """
 
 import argparse
@@ -31,46 +49,84 @@ T5_SMALL = dict(model_type="t5", vocab_size=32128, d_model=512, d_kv=64, d_ff=20
                 relative_attention_max_distance=128, dropout_rate=0.1, layer_norm_epsilon=1e-6,
                 feed_forward_proj="relu", tie_word_embeddings=True, pad_token_id=0,
                 eos_token_id=1, decoder_start_token_id=0)
+# Parameters: 51.5M token + 1.0M position embeddings, 36 x 12.6M blocks = 506M.
+GPT2_05B = dict(model_type="gpt2", vocab_size=50257, n_embd=1024, n_layer=36, n_head=16,
+                n_positions=1024, activation_function="gelu_new", resid_pdrop=0.1,
+                embd_pdrop=0.1, attn_pdrop=0.1, layer_norm_epsilon=1e-5,
+                tie_word_embeddings=True, bos_token_id=50256, eos_token_id=50256)
+MODELS = {"t5-small": T5_SMALL,
+          "t5-base": dict(T5_SMALL, d_model=768, d_ff=3072, num_layers=12, num_heads=12),
+          "gpt2-0.5b": GPT2_05B}
 
 
-def jax_runner(batch_size: int, seq_len: int):
+def jax_runner(args):
   import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
   from transformer_jax import benchmark, default_config, families  # pylint: disable=g-import-not-at-top
-  from transformer_jax.pretrained import t5  # pylint: disable=g-import-not-at-top
-  del jax
+  from transformer_jax.pretrained import gpt2, t5  # pylint: disable=g-import-not-at-top
+  hf, seq_len = MODELS[args.model], args.seq_len
   config = default_config.get_config()
-  config.model.update(t5.model_fields(T5_SMALL, tied=True), max_len=seq_len)
-  config.update(label_smoothing=0.0, max_source_length=seq_len, max_target_length=seq_len)
-  return benchmark.train_step_runner(config, families.get(config), batch_size, seq_len)
+  config.label_smoothing = 0.0
+  if hf["model_type"] == "t5":
+    config.model.update(t5.model_fields(hf, tied=True), max_len=seq_len)
+    config.update(max_source_length=seq_len, max_target_length=seq_len)
+    batch = None  # the runner's random sources and targets
+  else:
+    # As run_config.apply sets up a GPT-2 checkpoint: its family, its fields (max_len: its
+    # positions). The whole row is the target part: no source, every position weighs 1.
+    families.set_family(config, "decoder_only")
+    config.model.update(gpt2.model_fields(hf, tied=True))
+    config.update(max_source_length=0, max_target_length=seq_len)
+    rng = np.random.default_rng(0)
+    shape = (args.batch_size, seq_len)
+    batch = {"targets": rng.integers(3, hf["vocab_size"], shape, dtype=np.int32),
+             "weights": np.ones(shape, np.float32)}
+  config.model.dtype = args.dtype  # parameters stay float32
+  run = benchmark.train_step_runner(config, families.get(config), args.batch_size, seq_len,
+                                    batch=batch)
+  return run, jax.default_backend()
 
 
-def torch_runner(batch_size: int, seq_len: int, compile_model: bool):
+def torch_runner(args, compile_model: bool):
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   torch.manual_seed(0)
-  hf = {k: v for k, v in T5_SMALL.items() if k != "model_type"}
-  model = transformers.T5ForConditionalGeneration(transformers.T5Config(**hf)).train()
-  optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+  hf = {k: v for k, v in MODELS[args.model].items() if k != "model_type"}
+  is_t5 = MODELS[args.model]["model_type"] == "t5"
+  if is_t5:
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(**hf))
+  else:
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**hf))
+  model = model.to(args.device).train()
+  cuda = args.device == "cuda"
+  optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0,
+                                **(dict(fused=True) if cuda else {}))
   forward = torch.compile(model) if compile_model else model
-  inputs = torch.randint(3, T5_SMALL["vocab_size"], (batch_size, seq_len))
-  labels = torch.randint(3, T5_SMALL["vocab_size"], (batch_size, seq_len))
+  shape = (args.batch_size, args.seq_len)
+  inputs = torch.randint(3, hf["vocab_size"], shape, device=args.device)
+  labels = (torch.randint(3, hf["vocab_size"], shape, device=args.device)
+            if is_t5 else inputs)  # GPT-2 shifts its labels itself
+  bf16 = args.dtype == "bfloat16"
 
   def run():
     optimizer.zero_grad(set_to_none=True)
-    loss = forward(input_ids=inputs, labels=labels).loss
+    with torch.autocast(args.device, dtype=torch.bfloat16, enabled=bf16):
+      loss = forward(input_ids=inputs, labels=labels).loss
     loss.backward()
     optimizer.step()
+    if cuda:  # CUDA runs asynchronously: the step ends when the GPU is done
+      torch.cuda.synchronize()
 
-  return run
+  return run, torch.__version__
 
 
 def serve(args) -> None:
   """Child process: builds its side, warms up, then answers 'go' with the seconds per step."""
-  run = (jax_runner(args.batch_size, args.seq_len) if args.side == "jax" else
-         torch_runner(args.batch_size, args.seq_len, args.side == "torch_compile"))
+  run, info = (jax_runner(args) if args.side == "jax" else
+               torch_runner(args, args.side == "torch_compile"))
   for _ in range(2):
     run()
-  print("ready", flush=True)
+  print("ready", info, flush=True)
   for line in sys.stdin:
     start = time.perf_counter()
     for _ in range(int(line)):
@@ -80,6 +136,10 @@ def serve(args) -> None:
 
 def main():
   parser = argparse.ArgumentParser()
+  parser.add_argument("--model", default="t5-small", choices=list(MODELS))
+  parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                      help="PyTorch's device (JAX uses its default backend)")
   parser.add_argument("--batch_size", type=int, default=8)
   parser.add_argument("--seq_len", type=int, default=64)
   parser.add_argument("--rounds", type=int, default=5)
@@ -91,13 +151,18 @@ def main():
     serve(args)
     return
   sides = ["jax", "torch_eager"] + (["torch_compile"] if args.compile else [])
-  children = {}
+  # The sides share one GPU at once, and JAX would preallocate 75% of its memory.
+  jax_env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.45") if args.device == "cuda" \
+      else None
+  children, versions = {}, {}
   for side in sides:
     children[side] = subprocess.Popen(
-        [sys.executable, __file__, "--side", side, "--batch_size", str(args.batch_size),
+        [sys.executable, __file__, "--side", side, "--model", args.model, "--dtype", args.dtype,
+         "--device", args.device, "--batch_size", str(args.batch_size),
          "--seq_len", str(args.seq_len)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        text=True, cwd=ROOT)
-    assert children[side].stdout.readline().strip() == "ready", side
+        text=True, cwd=ROOT, env=jax_env if side == "jax" else None)
+    ready, _, versions[side] = children[side].stdout.readline().strip().partition(" ")
+    assert ready == "ready", side
   times = {side: [] for side in sides}
   for _ in range(args.rounds):
     for side, child in children.items():
@@ -108,9 +173,12 @@ def main():
     child.stdin.close()
     child.wait()
   medians = {side: statistics.median(t) for side, t in times.items()}
-  print(json.dumps(dict(batch_size=args.batch_size, seq_len=args.seq_len,
-                        step_s=medians, speedup_vs_torch_eager=round(
-                            medians["torch_eager"] / medians["jax"], 2))))
+  result = dict(model=args.model, dtype=args.dtype, device=args.device,
+                jax_backend=versions["jax"], torch=versions["torch_eager"],
+                batch_size=args.batch_size, seq_len=args.seq_len, step_s=medians)
+  for side in sides[1:]:
+    result[f"speedup_vs_{side}"] = round(medians[side] / medians["jax"], 2)
+  print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -118,6 +118,10 @@ def _batch(m: Imported, sentences) -> tuple[np.ndarray, np.ndarray]:
   return inputs, targets
 
 
+def _version(text: str) -> tuple[int, ...]:
+  return tuple(int(part) for part in text.split(".")[:2])
+
+
 def _until_eos(ids, eos: int) -> list[int]:
   ids = [int(i) for i in ids]
   return ids[:ids.index(eos) + 1] if eos in ids else ids
@@ -127,6 +131,10 @@ def _until_eos(ids, eos: int) -> list[int]:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_teacher_forced_logits_equal_pytorch(imported, sentences, kind):
+  if kind == "umt5" and _version(transformers.__version__) < (5, 18):
+    # Seen on a GPU machine's transformers 5.17: its UMT5 decoder attends to later targets
+    # when teacher-forced (no causal mask; 5.18 passes is_causal), so it is no reference.
+    pytest.skip("transformers < 5.18 runs UMT5's decoder without its causal mask")
   m = imported(kind)
   inputs, targets = _batch(m, sentences)
   lengths = (inputs != 0).sum(1), (targets != 0).sum(1)
@@ -310,7 +318,9 @@ def sharded_runs(imported, sentences):
 def test_sharded_import_gives_one_device_logits(sharded_runs, kind):
   one_device, targets, sharded, split = sharded_runs[kind]
   valid = targets != 0
-  np.testing.assert_allclose(sharded[valid], one_device[valid], atol=1e-5, rtol=0)
+  # On a GPU the one-device logits come from the GPU and the sharded ones from the CPU:
+  # their sums run in different orders (1.5e-5 apart on an H100).
+  np.testing.assert_allclose(sharded[valid], one_device[valid], atol=3e-5, rtol=0)
   # The parameters were really split: the embedding over vocab (tensor, where the rows divide:
   # T5's are rounded up, BART's are the tokenizer's) x embed (fsdp), the heads over tensor.
   vocab_axis = "tensor" if one_device.shape[-1] % 2 == 0 else None

@@ -2,7 +2,7 @@
 # The GPU measurements of issues #18 and #41, one device call (under 10 minutes) per stage:
 #
 #   bash tools/gpu_session.sh correctness OUT   # attention check, 200 Multi30k steps on cuDNN
-#   bash tools/gpu_session.sh tests OUT         # the suite (tools/test_gpu.sh)
+#   bash tools/gpu_session.sh tests OUT [FILES] # the suite (tools/test_gpu.sh), or FILES
 #   bash tools/gpu_session.sh speed OUT         # step-speed sweep and a profiled step
 #   bash tools/gpu_session.sh recipe OUT        # configs/multi30k_gpu.py trained, test BLEU
 #
@@ -40,8 +40,10 @@ case $stage in
     fi
     ;;
   tests)
-    # 300 s ran about 60% of the suite (no failure) on an H100 machine with 16 cores.
-    time timeout 560 bash tools/test_gpu.sh 2>&1 | tee "$out/tests.log" | tail -30
+    # 400 s ran 435 tests on an H100 machine with 16 cores: half the suite per call.
+    # SIGINT: pytest still writes its summary (names of failures) when the time is up.
+    time timeout -s INT 540 bash tools/test_gpu.sh -rfE --tb=line "${@:3}" 2>&1 \
+        | tee "$out/tests.log" | tail -30
     ;;
   speed)
     bash benchmarks/step_sweep.sh default f32_logits baseline big batch256 2>&1 \
