@@ -15,10 +15,12 @@ import pytest
 from tests.conftest import ROOT
 from transformer_jax import default_config
 from transformer_jax import evaluation
+from transformer_jax import families
 from transformer_jax import generate
 from transformer_jax import layers
 from transformer_jax import metrics
 from transformer_jax import models
+from transformer_jax import tasks
 from transformer_jax.data import examples as examples_lib
 
 PACKAGE = os.path.join(ROOT, "transformer_jax")
@@ -98,6 +100,35 @@ def test_model_family_checks_live_only_in_families():
       if isinstance(node, ast.Compare):
         text = ast.unparse(node)
         assert "architecture" not in text and "encoder_classifier" not in text, (name, text)
+
+
+def test_task_and_family_names_are_compared_only_where_they_are_defined():
+  """The rest of the package asks tasks.py (has_labels, is_mixture, ...) or the family (its
+  class attributes) instead of comparing a task's or a family's name."""
+  names = set(tasks.TASKS) | set(families.NAMES)
+  owners = {"transformer_jax.families", "transformer_jax.tasks",
+            "transformer_jax.config_validation"}
+  is_name = lambda node: isinstance(node, ast.Constant) and node.value in names
+
+  def compares_a_name(node: ast.Compare) -> bool:
+    # x == 'classification', x != 'multitask', x in ('translation', ...); not a dataset's
+    # 'translation' column looked up with `in`.
+    for op, left, right in zip(node.ops, [node.left, *node.comparators], node.comparators):
+      if isinstance(op, (ast.Eq, ast.NotEq)) and (is_name(left) or is_name(right)):
+        return True
+      if (isinstance(op, (ast.In, ast.NotIn)) and isinstance(right, (ast.Tuple, ast.List, ast.Set))
+          and any(map(is_name, right.elts))):
+        return True
+    return False
+
+  found = []
+  for name, path in _modules().items():
+    if name in owners:
+      continue
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+      if isinstance(node, ast.Compare) and compares_a_name(node):
+        found.append(f"{name}: {ast.unparse(node)}")
+  assert not found, found
 
 
 # ---- Defects found in review -----------------------------------------------------------------

@@ -13,6 +13,7 @@ from transformer_jax import config_validation
 from transformer_jax import families
 from transformer_jax import layer_decay
 from transformer_jax import models
+from transformer_jax import optimizer
 from transformer_jax import parallel
 from transformer_jax import train
 
@@ -86,7 +87,7 @@ def test_depth_of_per_layer_biases_and_decoder_only_paths():
 def _two_updates(config, params, grads):
   """The updates of two AdamW steps (clipped, with decoupled weight decay) on `grads` and the
   same `params` (the decay term depends on them): the second step has moments."""
-  tx = train.make_optimizer(config)
+  tx = optimizer.make_optimizer(config)
 
   @jax.jit
   def run():
@@ -116,14 +117,14 @@ def test_layer_decay_one_leaves_the_optimizer_state_unchanged():
   family = _classifier(weight_decay=0.1, grad_clip_norm=1.0, layer_decay=1.0)
   params = jax.eval_shape(family.init_params, jax.random.PRNGKey(0))
   structure = lambda tx: jax.tree.structure(jax.eval_shape(tx.init, params))
-  schedule = train.rsqrt_schedule(1e-3, 10)
+  schedule = optimizer.rsqrt_schedule(1e-3, 10)
   before = optax.chain(optax.clip_by_global_norm(1.0),
                        optax.adamw(schedule, b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.1))
-  assert structure(train.make_optimizer(family.config)) == structure(before)
+  assert structure(optimizer.make_optimizer(family.config)) == structure(before)
   family.config.layer_decay = 0.8  # adds a stateless step: no arrays to checkpoint
-  assert structure(train.make_optimizer(family.config)).num_leaves == structure(before).num_leaves
+  assert structure(optimizer.make_optimizer(family.config)).num_leaves == structure(before).num_leaves
   family.config.update(weight_decay=0.0, grad_clip_norm=0.0, layer_decay=1.0)
-  assert structure(train.make_optimizer(family.config)) == structure(optax.adam(schedule))
+  assert structure(optimizer.make_optimizer(family.config)) == structure(optax.adam(schedule))
 
 
 def _moved_by_one_step(mode, decay):

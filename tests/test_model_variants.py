@@ -13,6 +13,7 @@ from transformer_jax import parallel
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax import train
 from transformer_jax.data import demo
+from transformer_jax.data import features
 from transformer_jax.data import pipeline
 from tests.conftest import decode_in_pieces
 from tests.conftest import make_tiny_config
@@ -125,8 +126,8 @@ def demo_batches(data_cache):
   config = make_tiny_config(data_cache)
   pairs = demo.generate_splits(256, 0, 0, seed=1)["train"]
   tok = tokenizer_lib.train_tokenizer((t for p in pairs for t in p), 256, model_type="bpe")
-  data, _ = families.get(config).encode_examples([{"source": s, "target": t} for s, t in pairs],
-                                                tok)
+  data, _ = features.encode_examples(families.get(config),
+                                     [{"source": s, "target": t} for s, t in pairs], tok)
   batches = pipeline.TrainBatches(data, 16, seed=0)
   return config, [next(batches) for _ in range(4)]
 

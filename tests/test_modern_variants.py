@@ -315,7 +315,7 @@ def test_loss_on_weighted_positions_only_equals_the_full_computation(tiny_config
   family = families.get(tiny_config)
   params = family.init_params(jax.random.PRNGKey(0))
   examples = [([5, 9], [11, 4, 13]), ([7], [6]), ([20, 21, 22, 23], [3]), ([8], [9, 10])]
-  rows = [family._features(source, target) for source, target in examples]
+  rows = [family.example_features(source, target) for source, target in examples]
   lengths = [len(r["targets"]) for r in rows]
   if packed:  # two rows (a budget of 2 x 4 weighted tokens): examples 0 + 1, 2 + 3
     rows = [{k: np.concatenate([a[k], b[k]]) for k in a} for a, b in (rows[:2], rows[2:])]

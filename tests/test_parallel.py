@@ -91,7 +91,7 @@ import json, os, sys
 import numpy as np
 sys.path.insert(0, {root!r})
 from tests.conftest import make_tiny_config
-from transformer_jax import train
+from transformer_jax import checkpoint_policy
 from transformer_jax.data import pipeline
 from transformer_jax.data import preparation
 config = make_tiny_config({cache!r})
@@ -110,7 +110,7 @@ inputs = [next(batches)["inputs"].tolist() for _ in range(5)]
 print("RESULT", json.dumps(dict(
     streamed=streamed, held=sorted(encoded["train"].held), inputs=inputs,
     examples=[len(d) for d in encoded["train"].held.values()],
-    state=train._whole_data_state(batches.state))))
+    state=checkpoint_policy.whole_data_state(batches.state))))
 """
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from transformer_jax import attention
+from transformer_jax import blocks
 from transformer_jax import models
 
 torch = pytest.importorskip("torch")
@@ -107,7 +108,7 @@ def test_multi_head_attention_matches_torch():
 def test_encoder_layer_matches_torch(pre_ln, activation):
   src, _, src_valid, tgt_valid = _data(1)
   config = _config(pre_ln, activation)
-  layer = models.EncoderLayer(config)
+  layer = blocks.EncoderLayer(config)
   encoder_mask, _, _ = _masks(src_valid, tgt_valid)
   params = nn.meta.unbox(layer.init(jax.random.PRNGKey(1), src, encoder_mask, True)["params"])
   ours = layer.apply({"params": params}, src, encoder_mask, True)
@@ -123,7 +124,7 @@ def test_encoder_layer_matches_torch(pre_ln, activation):
 def test_decoder_layer_matches_torch(pre_ln):
   src, tgt, src_valid, tgt_valid = _data(2)
   config = _config(pre_ln)
-  layer = models.DecoderLayer(config)
+  layer = blocks.DecoderLayer(config)
   _, self_mask, cross_mask = _masks(src_valid, tgt_valid)
   params = nn.meta.unbox(layer.init(jax.random.PRNGKey(2), tgt, src, self_mask, cross_mask,
                                     True, False)["params"])

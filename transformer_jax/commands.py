@@ -18,6 +18,7 @@ from transformer_jax import evaluation
 from transformer_jax import metrics
 from transformer_jax import predict
 from transformer_jax import summary_writer
+from transformer_jax import tasks
 from transformer_jax import workdir as workdir_lib
 from transformer_jax.data import preparation
 
@@ -71,7 +72,7 @@ def run_evaluate(workdir: str | None, step: int | str | None = None, split: str 
                 split=split, examples=len(encoded[split]),
                 **({} if decoding is None else {"decoding": decoding.method}),
                 average_last=average_last)
-  if "bleu" in result or config.task == "multitask":
+  if "bleu" in result or tasks.is_mixture(config.task):
     result["bleu_signature"] = metrics.bleu_signature()
   if config.get("pretrained") and predictor.step == 0:
     result["pretrained"] = config.pretrained

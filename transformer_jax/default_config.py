@@ -12,7 +12,7 @@ import os
 
 import ml_collections
 
-from transformer_jax import models
+from transformer_jax import model_schema
 from transformer_jax import parallel
 
 
@@ -186,7 +186,7 @@ def get_config() -> ml_collections.ConfigDict:
   # optimizer state split over fsdp (embedding dim) and tensor (heads, MLP, vocabulary); the
   # sizes multiply to the device count, -1 = the rest. logical_axis_rules (jit): which mesh
   # axes each logical axis name of the parameters and activations is split over (the names
-  # are given where the parameters are created: models.py, attention.py, layers.py).
+  # are given where the parameters are created: blocks.py, models.py, attention.py, layers.py).
   config.parallel = ml_collections.ConfigDict(dict(
       mode="pmap", data=-1, fsdp=1, tensor=1,
       logical_axis_rules=[list(rule) for rule in parallel.LOGICAL_RULES]))
@@ -270,9 +270,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.profile_steps = ()
 
   # ---- Model ------------------------------------------------------------------------------
-  # Every field of transformer_jax.models.TransformerConfig, with its default there (the one
+  # Every field of transformer_jax.model_schema.TransformerConfig, with its default there (the one
   # source of model defaults; each field's meaning is commented in the dataclass). Sizes
   # (vocab_size, emb_dim, num_heads, num_layers, qkv_dim, mlp_dim, max_len) are set per
   # experiment; dtype is a name, e.g. 'bfloat16'.
-  config.model = ml_collections.ConfigDict(models.config_defaults())
+  config.model = ml_collections.ConfigDict(model_schema.config_defaults())
   return config

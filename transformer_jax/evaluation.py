@@ -86,7 +86,7 @@ class Evaluator:
     self.first_generated = None  # (prompt, output ids) of the first generated example
     result = self.loss_and_accuracy(device_params, data)
     task = self.config.task
-    n = len(data) if num_generate_examples < 0 or task == "classification" else min(
+    n = len(data) if num_generate_examples < 0 or tasks.has_labels(task) else min(
         num_generate_examples, len(data))
     chosen = generation_indices(examples, n)
     if not chosen:
@@ -99,14 +99,14 @@ class Evaluator:
     self.first_generated = (prompts[0], output_ids[0])
     outputs = [self.family.output_text(ids, self.tokenizer) for ids in output_ids]
     examples = [examples[i] for i in chosen]
-    if task == "classification":
+    if tasks.has_labels(task):
       labels = data.labels[chosen]
       result.update(metrics.classification_scores([int(ids[0]) for ids in output_ids], labels,
                                                   self.config.model.num_classes))
       references = [self.family.output_text([label], self.tokenizer) for label in labels]
     else:
       references = [e["target"] for e in examples]
-      if task == "multitask":
+      if tasks.is_mixture(task):
         for part in sorted({e["task"] for e in examples}):
           mine = [i for i, e in enumerate(examples) if e["task"] == part]
           part_result = tasks.text_metrics(examples[mine[0]]["metric"],

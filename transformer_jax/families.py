@@ -8,28 +8,25 @@
                       config.model.num_classes labels
 
 `families.get(config)` builds the family object; training, evaluation, predict and the
-benchmark ask it (`forward`, `labels_and_weights`, `encode_examples`, `decode`, ...) and never
+benchmark ask it (`forward`, `labels_and_weights`, `example_features`, `decode`, ...) and never
 look at the model's type. Adding a family means adding a class here.
 """
 
 from __future__ import annotations
 
 import abc
-import dataclasses
-import itertools
-import time
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from absl import logging
 
 from transformer_jax import decoding
 from transformer_jax import default_config
 from transformer_jax import flops
 from transformer_jax import generate
+from transformer_jax import model_schema
 from transformer_jax import models
 from transformer_jax import parallel
 from transformer_jax import tokenizer as tokenizer_lib
@@ -92,15 +89,13 @@ CONFIGS_OF = {"encoder_decoder": "a translation, summarization or multitask conf
               "encoder_classifier": "a classification config (config.task='classification')"}
 
 
-def from_model_config(family_name: str, model_config: models.TransformerConfig,
+def from_model_config(family_name: str, model_config: model_schema.TransformerConfig,
                       **config_overrides) -> "Family":
   """A family around a model config, every other setting from default_config (for notebooks
   and tests that start from a TransformerConfig rather than an experiment config)."""
   config = default_config.get_config()
   set_family(config, family_name)
-  fields = dataclasses.asdict(model_config)
-  fields["dtype"] = jnp.dtype(fields["dtype"]).name
-  config.model.update(fields)
+  config.model.update(model_schema.as_dict(model_config))
   config.update(config_overrides)
   return get(config)
 
@@ -117,7 +112,7 @@ class Family(abc.ABC):
 
   def __init__(self, config: ml_collections.ConfigDict):
     self.config = config
-    self.model_config = models.model_config(config.model)
+    self.model_config = model_schema.model_config(config.model)
     self.model = self._make_model()
 
   @abc.abstractmethod
@@ -166,56 +161,17 @@ class Family(abc.ABC):
 
   # ---- Data -------------------------------------------------------------------------------
 
-  def encode_examples(self, examples: Iterable[dict], tokenizer: tokenizer_lib.Tokenizer, *,
-                      drop_overlong: bool = False, total: int | None = None
-                      ) -> tuple[pipeline.Encoded, int]:
-    """Token features of `examples` (a list, or a stream read a chunk at a time: memory holds
-    token arrays, never the texts of a whole split), and how many were longer than
-    max_source_length / max_target_length: truncated, or left out with `drop_overlong`
-    (training with config.overlong='drop'). `total` (a list's length by default) gives the
-    progress log its ETA."""
-    max_source, max_target = self.config.max_source_length, self.config.max_target_length
-    # Per feature, one Ragged per chunk: memory holds arrays, not an object per example.
-    features: dict[str, list[pipeline.Ragged]] = {name: [] for name in self.feature_lengths()}
-    labels, overlong, done = [], 0, 0
-    progress = _Progress(len(examples) if total is None and hasattr(examples, "__len__")
-                         else total)
-    examples = iter(examples)
-    while chunk := list(itertools.islice(examples, ENCODE_CHUNK)):
-      sources = tokenizer.encode_batch([e["source"] for e in chunk])
-      # Targets through the target-side tokenizer (Marian has one of its own).
-      targets = (tokenizer.encode_target_batch([e["target"] for e in chunk])
-                 if self.generates_text
-                 else [[]] * len(chunk))
-      chunk_features: dict[str, list[np.ndarray]] = {name: [] for name in features}
-      for example, source, target in zip(chunk, sources, targets):
-        too_long = len(source) + 1 > max_source or len(target) + 1 > max_target
-        overlong += too_long
-        if too_long and drop_overlong:
-          continue
-        for feature, value in self._features(source, target).items():
-          chunk_features[feature].append(value)
-        if not self.generates_text:
-          labels.append(example["label"])
-      for feature, values in chunk_features.items():
-        features[feature].append(pipeline.Ragged.from_sequences(
-            values, pipeline.feature_dtype(feature)))
-      done += len(chunk)
-      progress.update(done)
-    return pipeline.Encoded(
-        {name: pipeline.Ragged.concatenate(parts, pipeline.feature_dtype(name))
-         for name, parts in features.items()},
-        self.feature_lengths(), self._labels(labels)), overlong
-
   @abc.abstractmethod
   def feature_lengths(self) -> dict[str, int]:
     """Padded length of each token feature."""
 
   @abc.abstractmethod
-  def _features(self, source: list[int], target: list[int]) -> dict[str, np.ndarray]:
-    """One example's token features from its source (and target) token ids."""
+  def example_features(self, source: list[int], target: list[int]) -> dict[str, np.ndarray]:
+    """One example's token features from its source (and target) token ids (data/features.py
+    encodes whole splits with it)."""
 
-  def _labels(self, labels: list[int]) -> np.ndarray | None:
+  def label_array(self, labels: list[int]) -> np.ndarray | None:
+    """The examples' labels as the batches carry them (None: the family has none)."""
     return None
 
   def prompts(self, encoded: pipeline.Encoded) -> list[np.ndarray]:
@@ -249,29 +205,6 @@ class Family(abc.ABC):
     EOS included, no padding): every layer's weights [1, heads, queries, keys] by module path
     (models.attention_weights), and per attention kind ('encoder_self', 'decoder_self',
     'cross') the token ids its queries predict or read, and those of its keys."""
-
-
-ENCODE_CHUNK = 100_000  # examples tokenized per batch call
-
-
-class _Progress:
-  """Logs encoding progress about every 10% of a split of more than a chunk, with an ETA (or,
-  when the size is not known up front, every chunk)."""
-
-  def __init__(self, total: int | None):
-    self.total, self.start, self.next_report = total, time.perf_counter(), 0.1
-
-  def update(self, done: int) -> None:
-    elapsed = time.perf_counter() - self.start
-    if self.total is None:
-      logging.info("Encoded %s examples, %.0f s.", f"{done:,}", elapsed)
-      return
-    if self.total <= ENCODE_CHUNK or done / self.total < self.next_report:
-      return
-    logging.info("Encoded %s of %s examples (%.0f%%), %.0f s, ETA %.0f s.", f"{done:,}",
-                 f"{self.total:,}", 100 * done / self.total, elapsed,
-                 elapsed * max(self.total - done, 0) / done)
-    self.next_report = done / self.total + 0.1
 
 
 class _SequenceFamily(Family):
@@ -311,7 +244,7 @@ class EncoderDecoder(_SequenceFamily):
   def feature_lengths(self) -> dict[str, int]:
     return {"inputs": self.config.max_source_length, "targets": self.config.max_target_length}
 
-  def _features(self, source, target):
+  def example_features(self, source, target):
     return {"inputs": pipeline.with_eos(source, self.config.max_source_length),
             "targets": pipeline.with_eos(target, self.config.max_target_length)}
 
@@ -419,7 +352,7 @@ class DecoderOnly(_SequenceFamily):
     length = self.config.max_source_length + self.config.max_target_length
     return {"targets": length, "weights": length}
 
-  def _features(self, source, target):
+  def example_features(self, source, target):
     # The source is cut to its own budget, so the prompt fits the same length at inference.
     max_source, max_target = self.config.max_source_length, self.config.max_target_length
     tokens, weights = pipeline.decoder_only_example(
@@ -504,10 +437,10 @@ class EncoderClassifier(Family):
   def feature_lengths(self) -> dict[str, int]:
     return {"inputs": self.config.max_source_length}
 
-  def _features(self, source, target):
+  def example_features(self, source, target):
     return {"inputs": pipeline.with_eos(source, self.config.max_source_length)}
 
-  def _labels(self, labels: list[int]) -> np.ndarray:
+  def label_array(self, labels: list[int]) -> np.ndarray:
     array = np.asarray(labels, np.int32)
     num_classes = self.model_config.num_classes
     if len(array) and (array.min() < 0 or array.max() >= num_classes):

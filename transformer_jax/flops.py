@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax import layers
-from transformer_jax import models
+from transformer_jax import model_schema
 
 # Dense peak TFLOP/s per chip from the vendors' data sheets: (bfloat16, float32).
 # GPU float32 is the TF32 tensor-core rate, which XLA uses for float32 matmuls by default.
@@ -24,7 +24,7 @@ PEAK_TFLOPS = {
 }
 
 
-def _per_token(config: models.TransformerConfig) -> tuple[int, int, int]:
+def _per_token(config: model_schema.TransformerConfig) -> tuple[int, int, int]:
   """(key/value width, FLOPs per token of the Q/K/V/output projections, of the feed-forward
   network): K and V with grouped-query attention's fewer heads, three FFN matrices when
   gated."""
@@ -34,13 +34,13 @@ def _per_token(config: models.TransformerConfig) -> tuple[int, int, int]:
   return kv, 2 * 2 * e * q + 2 * 2 * e * kv, 2 * (3 if gated else 2) * e * f
 
 
-def _self_attention_layer(config: models.TransformerConfig, length: int) -> int:
+def _self_attention_layer(config: model_schema.TransformerConfig, length: int) -> int:
   """FLOPs of a layer of self-attention and feed-forward network over `length` tokens."""
   _, projections, ffn = _per_token(config)
   return length * (projections + 2 * 2 * length * config.qkv_dim + ffn)  # + scores, values
 
 
-def forward_flops(config: models.TransformerConfig, batch_size: int, source_len: int,
+def forward_flops(config: model_schema.TransformerConfig, batch_size: int, source_len: int,
                   target_len: int) -> int:
   """Matmul FLOPs (2 per multiply-add) of one EncoderDecoder forward pass.
 
@@ -63,7 +63,7 @@ def forward_flops(config: models.TransformerConfig, batch_size: int, source_len:
   return batch_size * per_example
 
 
-def decoder_only_forward_flops(config: models.TransformerConfig, batch_size: int, length: int,
+def decoder_only_forward_flops(config: model_schema.TransformerConfig, batch_size: int, length: int,
                                scored_len: int) -> int:
   """Matmul FLOPs of one DecoderOnly forward pass over rows of `length` tokens whose output
   layer runs at `scored_len` positions each (training: the target part); counted as
@@ -72,7 +72,7 @@ def decoder_only_forward_flops(config: models.TransformerConfig, batch_size: int
                        + scored_len * 2 * config.emb_dim * config.vocab_size)
 
 
-def train_step_flops(config: models.TransformerConfig, batch_size: int, source_len: int,
+def train_step_flops(config: model_schema.TransformerConfig, batch_size: int, source_len: int,
                      target_len: int) -> int:
   """Forward + backward: the backward pass costs twice the forward (two matmuls per one)."""
   return 3 * forward_flops(config, batch_size, source_len, target_len)

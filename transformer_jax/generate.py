@@ -173,8 +173,9 @@ def generate_ids(p_decode, device_params, prompts: Sequence[np.ndarray], max_len
                  ) -> list[tuple[np.ndarray, np.ndarray]]:
   """(output ids [nbest, len], scores [nbest]) for token sequences of any length (EOS
   included), in order. Grouped into length buckets so short ones are not padded to the
-  longest, and each batch padded only to its batch bucket; row r of batch k of the whole call
-  samples with key fold_in(fold_in(seed, k), r), so no two rows share random numbers."""
+  longest, and a bucket's batches padded only to its batch bucket; row r of batch k of the
+  whole call samples with key fold_in(fold_in(seed, k), r), so no two rows share random
+  numbers."""
   layout = layout or parallel.DataParallel()
   buckets: dict[int, list[int]] = {}
   for i, ids in enumerate(prompts):
@@ -182,10 +183,12 @@ def generate_ids(p_decode, device_params, prompts: Sequence[np.ndarray], max_len
   outputs: list = [None] * len(prompts)
   batch_index = 0
   for length, indices in sorted(buckets.items()):
+    # Bucketed shapes: one compile per (length, rows) bucket, whatever the call's size. A
+    # length bucket of more than one batch (an evaluation) decodes its last, partial batch
+    # at the full size too: one program per length, where a smaller one would cost a compile.
+    rows = batch_bucket(min(len(indices), batch_size), batch_size, layout.eval_devices)
     for start in range(0, len(indices), batch_size):
       chosen = indices[start:start + batch_size]
-      # Bucketed shapes: one compile per (length, rows) bucket, whatever the call's size.
-      rows = batch_bucket(len(chosen), batch_size, layout.eval_devices)
       sources = np.zeros((rows, length), np.int32)
       for row, i in enumerate(chosen):
         sources[row, :len(prompts[i])] = prompts[i]

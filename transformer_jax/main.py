@@ -131,8 +131,8 @@ def _user_error_code(error: Exception) -> int | None:
     return 1
   # Only a run that imported train.py can raise its error: looked up, not imported, so that
   # evaluate and predict never load the training code.
-  train = sys.modules.get("transformer_jax.train")
-  if train is not None and isinstance(error, train.NonFiniteLossError):
+  policy = sys.modules.get("transformer_jax.checkpoint_policy")
+  if policy is not None and isinstance(error, policy.NonFiniteLossError):
     return 1
   return None
 

@@ -12,151 +12,22 @@ padding) and `*_position` arrays; masks, positions and the right shift respect t
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from transformer_jax import attention
+from transformer_jax import blocks
 from transformer_jax import layers
+# The schema lives in model_schema.py and the layers in blocks.py; these names stay
+# importable from here, as the public interface has them.
+from transformer_jax.model_schema import (  # noqa: F401 pylint: disable=unused-import
+    SIZES, TransformerConfig, config_defaults, model_config, named_config)
 
 Array = jax.Array
 # The logit of a masked padding class (`mask_padding_logit`): far below any real logit, yet
 # finite, so that a softmax or a loss at weight-0 positions stays finite.
 PADDING_LOGIT = -1e9
-
-
-@dataclasses.dataclass(frozen=True)
-class TransformerConfig:
-  """Hyper-parameters; names follow flax `examples/wmt` where they overlap.
-
-  The one source of model defaults: `config.model` in default_config.py holds these fields
-  with these values (the paper's base model; experiment configs set their own sizes).
-  """
-  vocab_size: int = 32000
-  emb_dim: int = 512
-  num_heads: int = 8
-  # Key/value heads (grouped-query attention, Ainslie et al., 2023): each is shared by
-  # num_heads / num_kv_heads query heads, in every attention layer and the KV cache; 1 =
-  # multi-query attention, 0 (or None) = num_heads: plain multi-head attention, with exactly
-  # its parameters (self-attention's fused 'qkv'). Fewer: separate 'query' and 'kv' kernels.
-  num_kv_heads: int | None = 0
-  num_layers: int = 6  # encoder layers, and decoder layers unless num_decoder_layers is set
-  num_decoder_layers: int | None = None
-  qkv_dim: int = 512
-  mlp_dim: int = 2048
-  max_len: int = 256
-  dropout_rate: float = 0.1  # residual: embeddings and every sub-layer output
-  attention_dropout_rate: float = 0.0  # on the attention weights
-  activation_dropout_rate: float | None = None  # inside the FFN; None = dropout_rate
-  dtype: Any = jnp.float32  # activation dtype; parameters stay float32
-  pre_ln: bool = False  # False: post-LN as in the paper; True: pre-LN
-  final_norm: bool | None = None  # a norm after each stack; None = pre_ln
-  layer_norm_epsilon: float = 1e-6
-  norm: str = "layernorm"  # or 'rmsnorm' (no bias, no centring: T5)
-  # 'relu', 'gelu', 'gelu_tanh', 'silu', gated: 'geglu', 'geglu_tanh', 'reglu', 'swiglu'
-  ffn_activation: str = "relu"
-  use_bias: bool = True  # biases in the attention and feed-forward projections (T5: none)
-  scale_attention_scores: bool = True  # scores / sqrt(head_dim) (T5 folds it into weights)
-  # 'sinusoidal' (interleaved), 'sinusoidal_halves' ([sin | cos]: Marian), 'learned',
-  # 'relative' (T5: a learned bias per relative-position bucket, added to attention scores),
-  # or 'rope' (rotary embeddings, Su et al., 2021: self-attention queries and keys rotated by
-  # their positions, nothing added to the embeddings; the half-split GPT-NeoX / LLaMA layout
-  # over the whole head dimension, which must be even; see layers.rotary_embedding)
-  position_embedding: str = "sinusoidal"
-  position_base: float = 10000.0  # the sinusoids' base n, or RoPE's base (theta)
-  relative_attention_num_buckets: int = 32  # 'relative': buckets per direction pair
-  relative_attention_max_distance: int = 128  # 'relative': distances beyond share a bucket
-  relative_bias_per_layer: bool = False  # 'relative': a bias per layer (UMT5), not per stack
-  scale_embeddings: bool = True  # token embeddings x sqrt(emb_dim) (the paper; not T5/BART)
-  embedding_norm: bool = False  # a norm after token + position embeddings (BART)
-  share_embeddings: bool = True  # one embedding for source and target tokens
-  tie_output: bool = True  # output layer = transposed target embedding
-  output_rescale: bool = False  # decoder states x emb_dim^-0.5 before the output (T5 v1.0)
-  logits_bias: bool = False  # a bias on the tied output's logits (BART / Marian)
-  # The output never predicts id 0 (padding): for checkpoints without a pad token of their
-  # own (GPT-2), whose pad row is added on import and must not compete in the softmax.
-  mask_padding_logit: bool = False
-  # The output matmul reads its operands in `dtype` and accumulates in float32; the logits are
-  # float32 either way. True: float32 operands too (on a GPU that is a TF32 product, slower than
-  # bfloat16's: benchmarks/RESULTS.md, GPU section); a float32 model is the same either way.
-  logits_dot_in_float32: bool = False
-  cross_attention_score: str = "dot_product"  # or 'multiplicative', 'additive'
-  attention_implementation: str = "reference"  # or 'xla', 'cudnn', 'auto' (jax.nn)
-  remat: bool = False  # recompute each layer's activations in the backward pass
-  remat_policy: str = "full"  # with remat: what is kept (see REMAT_POLICIES)
-  bos_id: int = 2  # first decoder input (the tokenizer reserves it; imports: decoder start)
-  num_classes: int = 2  # classifier outputs
-  # classifier: 'mean' (non-padding), 'first', 'attention', or a dense + tanh over the first
-  # token: 'cls_pooler' (BERT's pooler) or 'cls_head' (RoBERTa's head: dropout before it too)
-  pooling: str = "mean"
-  num_token_types: int = 0  # classifier: learned token-type rows (BERT); inputs are type 0
-  # Decoder-only: a prefix LM (Raffel et al., 2020, Fig. 3): the source part `SOURCE <eos>`
-  # (loss weight 0) is read both ways, the target causally; prompts are filled the same way.
-  prefix_lm: bool = False
-
-  def replace(self, **changes) -> "TransformerConfig":
-    return dataclasses.replace(self, **changes)
-
-
-# Named sizes. base and big are the paper's (Table 3); vocab_size is set per dataset.
-SIZES = {
-    "tiny": dict(emb_dim=64, num_heads=2, num_layers=2, qkv_dim=64, mlp_dim=256),
-    "small": dict(emb_dim=256, num_heads=4, num_layers=3, qkv_dim=256, mlp_dim=1024),
-    "base": dict(emb_dim=512, num_heads=8, num_layers=6, qkv_dim=512, mlp_dim=2048,
-                 dropout_rate=0.1),
-    "big": dict(emb_dim=1024, num_heads=16, num_layers=6, qkv_dim=1024, mlp_dim=4096,
-                dropout_rate=0.3),
-}
-
-
-# What a rematerialised layer keeps from its forward pass; the rest is recomputed.
-REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,  # least memory: only layer inputs
-    "dots": jax.checkpoint_policies.dots_saveable,  # matmul outputs kept: no matmul recomputed
-    # matmul outputs without batch dimensions (the projections, not attention scores), so
-    # the [b, h, q, k] scores of long sequences are recomputed rather than stored.
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
-def _remat(layer: type[nn.Module], c: "TransformerConfig", static_argnums: tuple[int, ...]):
-  if not c.remat:
-    return layer
-  if c.remat_policy not in REMAT_POLICIES:
-    raise ValueError(f"Unknown remat_policy {c.remat_policy!r}; use one of "
-                     f"{sorted(REMAT_POLICIES)}.")
-  # Flags such as `deterministic` must stay Python bools: static arguments.
-  return nn.remat(layer, static_argnums=static_argnums, policy=REMAT_POLICIES[c.remat_policy])
-
-
-def named_config(size: str, **overrides) -> TransformerConfig:
-  """TransformerConfig of a named size ('tiny', 'small', 'base', 'big') plus overrides."""
-  if size not in SIZES:
-    raise ValueError(f"Unknown model size {size!r}; known: {sorted(SIZES)}.")
-  return TransformerConfig(**{**SIZES[size], **overrides})
-
-
-def model_config(model_dict, **overrides) -> TransformerConfig:
-  """TransformerConfig from `config.model` (dtype given by name, e.g. 'bfloat16')."""
-  fields = dict(model_dict)
-  fields.update(overrides)
-  if isinstance(fields.get("dtype"), str):
-    fields["dtype"] = jnp.dtype(fields["dtype"])
-  known = {f.name for f in dataclasses.fields(TransformerConfig)}
-  unknown = sorted(set(fields) - known)
-  if unknown:
-    raise ValueError(f"Unknown config.model keys {unknown}; known: {sorted(known)}.")
-  return TransformerConfig(**fields)
-
-
-def config_defaults() -> dict:
-  """Every TransformerConfig field and its default, the dtype by name: `config.model`."""
-  fields = dataclasses.asdict(TransformerConfig())
-  fields["dtype"] = jnp.dtype(fields["dtype"]).name
-  return fields
 
 
 def shift_right(targets: Array, bos_id: int, segmentation: Array | None = None) -> Array:
@@ -183,233 +54,6 @@ def self_attention_mask(tokens: Array, segmentation: Array | None, causal: bool,
       visible)
 
 
-# ---- Layers and stacks ---------------------------------------------------------------------
-
-def residual_stream(x: Array) -> Array:
-  """[b, len, emb] between layers: rows split over data x fsdp, the embedding dimension whole
-  (the jit layout's activation sharding; a no-op without logical axis rules, as under pmap)."""
-  return nn.with_logical_constraint(x, ("batch", "length", None))
-
-
-class SublayerConnection(nn.Module):
-  """Residual connection with a norm after (post-LN) or before (pre-LN) the sublayer."""
-  config: TransformerConfig
-
-  @nn.compact
-  def __call__(self, x: Array, sublayer, *, deterministic: bool) -> Array:
-    c = self.config
-    norm = _layer_norm(c, "norm")
-    y = sublayer(norm(x) if c.pre_ln else x)
-    y = layers.Dropout(c.dropout_rate)(y, deterministic=deterministic)
-    return x + y if c.pre_ln else norm(x + y)
-
-
-def _layer_norm(c: TransformerConfig, name: str) -> nn.Module:
-  """The config's norm: LayerNorm, or RMSNorm (`norm='rmsnorm'`)."""
-  if c.norm == "rmsnorm":
-    return layers.RMSNorm(c.layer_norm_epsilon, c.dtype, name=name)
-  if c.norm != "layernorm":
-    raise ValueError(f"Unknown norm {c.norm!r}: use 'layernorm' or 'rmsnorm'.")
-  embed = lambda init: nn.with_logical_partitioning(init, ("embed",))
-  return nn.LayerNorm(epsilon=c.layer_norm_epsilon, dtype=c.dtype, name=name,
-                      scale_init=embed(nn.initializers.ones_init()),
-                      bias_init=embed(nn.initializers.zeros_init()))
-
-
-def _logits_dense(c: TransformerConfig) -> nn.Dense:
-  """The output layer when it is not tied to the embedding."""
-  # Operands in the output's dtype, products summed and returned in float32.
-  return nn.Dense(c.vocab_size, dtype=_output_dtype(c), use_bias=c.use_bias,
-                  dot_general=layers.float32_sum_dot,
-                  kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
-                                                           ("embed", "vocab")),
-                  bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(),
-                                                         ("vocab",)))
-
-
-def _attention(c: TransformerConfig, name: str, score: str = "dot_product", *,
-               self_attention: bool = True):
-  """An attention layer of the config; rotary embeddings ('rope') in self-attention only."""
-  rotary = self_attention and c.position_embedding == "rope"
-  return attention.MultiHeadAttention(c.num_heads, c.qkv_dim, c.attention_dropout_rate, c.dtype,
-                                      score, c.attention_implementation,
-                                      use_bias=c.use_bias,
-                                      scale_scores=c.scale_attention_scores,
-                                      num_kv_heads=c.num_kv_heads,
-                                      rope_base=c.position_base if rotary else None, name=name)
-
-
-def _ffn(c: TransformerConfig):
-  rate = c.dropout_rate if c.activation_dropout_rate is None else c.activation_dropout_rate
-  return layers.FeedForward(c.mlp_dim, rate, c.ffn_activation, c.dtype, use_bias=c.use_bias,
-                            name="ffn")
-
-
-def _relative_bias(c: TransformerConfig, name: str, bidirectional: bool):
-  return layers.RelativePositionBias(c.num_heads, c.relative_attention_num_buckets,
-                                     c.relative_attention_max_distance, bidirectional,
-                                     name=name)
-
-
-def _relative_biases(c: TransformerConfig, num_layers: int, bidirectional: bool,
-                     query_positions: Array, key_positions: Array) -> list[Array]:
-  """Each layer's relative position bias [b, h, q, k] (inside a stack's compact call): one
-  table for the stack, which T5 keeps in its first layer, or one per layer (UMT5)."""
-  if not c.relative_bias_per_layer:
-    bias = _relative_bias(c, "relative_bias", bidirectional)(query_positions, key_positions)
-    return [bias] * num_layers
-  return [_relative_bias(c, f"relative_bias_{i}", bidirectional)(query_positions,
-                                                                 key_positions)
-          for i in range(num_layers)]
-
-
-def _stack_positions(length: int, positions: Array | None) -> Array:
-  """[b|1, len] positions of a stack's tokens: the packed ones, else 0..len-1."""
-  return jnp.arange(length)[None, :] if positions is None else positions
-
-
-class EncoderLayer(nn.Module):
-  """Self-attention, then the feed-forward network, each with its residual connection."""
-  config: TransformerConfig
-
-  @nn.compact
-  def __call__(self, x: Array, mask: Array | None, deterministic: bool,
-               bias: Array | None = None, positions: Array | None = None) -> Array:
-    """`positions` [b|1, len]: the tokens' positions for rotary embeddings ('rope')."""
-    residual = lambda name: SublayerConnection(self.config, name=name)
-    self_attention = _attention(self.config, "self_attention")
-    x = residual("self_attention_block")(
-        x, lambda h: self_attention(h, h, mask, deterministic=deterministic, bias=bias,
-                                    positions=positions),
-        deterministic=deterministic)
-    ffn = _ffn(self.config)
-    return residual("ffn_block")(x, lambda h: ffn(h, deterministic=deterministic),
-                                 deterministic=deterministic)
-
-
-class DecoderLayer(nn.Module):
-  """Causal self-attention, cross-attention (unless decoder-only), feed-forward network."""
-  config: TransformerConfig
-
-  @nn.compact
-  def __call__(self, y: Array, encoded: Array | None, self_mask: Array | None,
-               cross_mask: Array | None, deterministic: bool, decode: bool,
-               bias: Array | None = None, positions: Array | None = None,
-               prefix_fill: bool = False) -> Array:
-    """`positions` [b|1, len]: the tokens' positions for rotary embeddings ('rope'); while
-    decoding, those of the tokens fed in this call. `prefix_fill`: see MultiHeadAttention."""
-    c = self.config
-    residual = lambda name: SublayerConnection(c, name=name)
-    self_attention = _attention(c, "self_attention")
-    y = residual("self_attention_block")(
-        y, lambda h: self_attention(h, h, self_mask, deterministic=deterministic, decode=decode,
-                                    bias=bias, positions=positions, prefix_fill=prefix_fill),
-        deterministic=deterministic)
-    if encoded is not None:
-      cross_attention = _attention(c, "cross_attention", c.cross_attention_score,
-                                   self_attention=False)
-      y = residual("cross_attention_block")(
-          y, lambda h: cross_attention(h, encoded, cross_mask, deterministic=deterministic,
-                                       decode=decode),
-          deterministic=deterministic)
-    ffn = _ffn(c)
-    return residual("ffn_block")(y, lambda h: ffn(h, deterministic=deterministic),
-                                 deterministic=deterministic)
-
-
-class EncoderStack(nn.Module):
-  """num_layers encoder layers on embedded inputs [b, len, emb]; `positions` [b, len] (packed
-  rows) matter only for a relative position bias or rotary embeddings."""
-  config: TransformerConfig
-
-  @nn.compact
-  def __call__(self, x: Array, mask: Array | None, *, deterministic: bool,
-               positions: Array | None = None) -> Array:
-    c = self.config
-    layer = _remat(EncoderLayer, c, static_argnums=(3,))  # `deterministic`, counting self
-    biases = [None] * c.num_layers
-    positions = _stack_positions(x.shape[1], positions)
-    if c.position_embedding == "relative":
-      biases = _relative_biases(c, c.num_layers, True, positions, positions)
-    rotary_positions = positions if c.position_embedding == "rope" else None
-    for i in range(c.num_layers):
-      x = layer(c, name=f"layer_{i}")(residual_stream(x), mask, deterministic, biases[i],
-                                      rotary_positions)
-    if c.pre_ln if c.final_norm is None else c.final_norm:
-      x = _layer_norm(c, "final_norm")(x)
-    return x
-
-
-class DecoderStack(nn.Module):
-  """Decoder layers on embedded decoder inputs; `encoded` None = decoder-only.
-
-  `positions` [b, len] (packed rows) matter only for a relative position bias or rotary
-  embeddings; while decoding, the cache counts positions instead, less each row's
-  `decode_offset` [b] (see layers.PositionEmbedding). `prefix_fill`: the tokens fed while
-  decoding are a prefix LM's prompt, read both ways.
-  """
-  config: TransformerConfig
-
-  @nn.compact
-  def __call__(self, y: Array, encoded: Array | None, self_mask: Array | None,
-               cross_mask: Array | None, *, deterministic: bool, decode: bool,
-               positions: Array | None = None, decode_offset: Array | None = None,
-               prefix_fill: bool = False) -> Array:
-    c = self.config
-    # deterministic, decode, prefix_fill
-    layer = _remat(DecoderLayer, c, static_argnums=(5, 6, 9))
-    num_layers = c.num_decoder_layers or c.num_layers
-    biases = [None] * num_layers
-    if c.position_embedding == "relative":
-      query_positions, key_positions = self._relative_positions(y, positions, decode)
-      biases = _relative_biases(c, num_layers, False, query_positions, key_positions)
-    rotary_positions = None
-    if c.position_embedding == "rope":
-      # Keys are cached already rotated: decoding needs the new tokens' positions only.
-      rotary_positions = (self._decode_positions(y.shape[0], y.shape[1], decode_offset)[1]
-                          if decode else _stack_positions(y.shape[1], positions))
-    for i in range(num_layers):
-      y = layer(c, name=f"layer_{i}")(residual_stream(y), encoded, self_mask, cross_mask,
-                                      deterministic, decode, biases[i], rotary_positions,
-                                      prefix_fill)
-    if c.pre_ln if c.final_norm is None else c.final_norm:
-      y = _layer_norm(c, "final_norm")(y)
-    return y
-
-  def _relative_positions(self, y: Array, positions: Array | None, decode: bool):
-    """Query and key positions of the self-attention's relative bias. Decoding, the cache
-    holds each slot's position beside the keys (written as tokens are fed; rows are beams)."""
-    length = y.shape[1]
-    if not decode:
-      positions = _stack_positions(length, positions)
-      return positions, positions
-    initialized = self.has_variable("cache", "cached_positions")
-    cached = self.variable("cache", "cached_positions", jnp.zeros, (y.shape[0], length),
-                           jnp.int32)
-    index, new = self._decode_positions(y.shape[0], length)
-    if not initialized:  # the init pass only creates the cache
-      return new, new
-    cached.value = jax.lax.dynamic_update_slice(cached.value, new, (0, index))
-    return new, cached.value
-
-  def _decode_positions(self, batch_size: int, length: int,
-                        decode_offset: Array | None = None) -> tuple[Array, Array]:
-    """While decoding: (the first cache slot this call writes, the absolute positions
-    [b, len] of the tokens it feeds), from a counter in the cache that every row (beam)
-    shares, less each row's `decode_offset`. The init pass that creates the cache gives
-    0..len-1 and leaves the counter at 0."""
-    initialized = self.has_variable("cache", "position_index")
-    index = self.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
-    start = index.value
-    if initialized:
-      index.value = start + length
-    new = jnp.broadcast_to(start + jnp.arange(length, dtype=jnp.int32),
-                           (batch_size, length))  # [b, len]
-    if decode_offset is not None:
-      new = new - decode_offset[:, None].astype(jnp.int32)
-    return start, new
-
-
 class TokenEmbedding(nn.Module):
   """Token embedding (scaled by sqrt(emb_dim) unless `scale_embeddings` is off); `attend`
   gives the tied output logits."""
@@ -426,7 +70,7 @@ class TokenEmbedding(nn.Module):
     # Under the jit layout the table is gathered whole before the lookup (as FSDP gathers every
     # weight before use): a lookup into a vocab x embed-sharded table has no efficient sharding.
     table = nn.with_logical_constraint(self.embedding.embedding, (None, None))
-    embedded = residual_stream(jnp.take(table, tokens, axis=0))  # [b, len, emb]
+    embedded = blocks.residual_stream(jnp.take(table, tokens, axis=0))  # [b, len, emb]
     if c.scale_embeddings:
       embedded = embedded * jnp.sqrt(jnp.float32(c.emb_dim))
     return embedded.astype(c.dtype)
@@ -439,6 +83,17 @@ class TokenEmbedding(nn.Module):
 def _output_dtype(c: TransformerConfig):
   """The dtype the output matmul reads its operands in (it accumulates in float32)."""
   return jnp.float32 if c.logits_dot_in_float32 else c.dtype
+
+
+def _logits_dense(c: TransformerConfig) -> nn.Dense:
+  """The output layer when it is not tied to the embedding."""
+  # Operands in the output's dtype, products summed and returned in float32.
+  return nn.Dense(c.vocab_size, dtype=_output_dtype(c), use_bias=c.use_bias,
+                  dot_general=layers.float32_sum_dot,
+                  kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
+                                                           ("embed", "vocab")),
+                  bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(),
+                                                         ("vocab",)))
 
 
 def _output_logits(module: nn.Module, embedding: TokenEmbedding, y: Array) -> Array:
@@ -472,7 +127,7 @@ def _output_params(module: nn.Module) -> None:
 
 def _embedding_norm(c: TransformerConfig, name: str):
   """The norm after token + position embeddings (BART), or the identity."""
-  return _layer_norm(c, name) if c.embedding_norm else (lambda x: x)
+  return blocks.layer_norm(c, name) if c.embedding_norm else (lambda x: x)
 
 
 def _positions(c: TransformerConfig, name: str) -> layers.PositionEmbedding:
@@ -495,8 +150,8 @@ class EncoderDecoder(nn.Module):
     self.decoder_positions = _positions(c, "decoder_positions")
     self.encoder_embedding_norm = _embedding_norm(c, "encoder_embedding_norm")
     self.decoder_embedding_norm = _embedding_norm(c, "decoder_embedding_norm")
-    self.encoder = EncoderStack(c, name="encoder")
-    self.decoder = DecoderStack(c, name="decoder")
+    self.encoder = blocks.EncoderStack(c, name="encoder")
+    self.decoder = blocks.DecoderStack(c, name="decoder")
     _output_params(self)
     self.dropout = layers.Dropout(c.dropout_rate)
 
@@ -565,7 +220,7 @@ class DecoderOnly(nn.Module):
     self.embedding = TokenEmbedding(c, name="embedding")
     self.positions = _positions(c, "positions")
     self.embedding_norm = _embedding_norm(c, "embedding_norm")
-    self.decoder = DecoderStack(c, name="decoder")
+    self.decoder = blocks.DecoderStack(c, name="decoder")
     _output_params(self)
     self.dropout = layers.Dropout(c.dropout_rate)
 
@@ -631,7 +286,7 @@ class EncoderClassifier(nn.Module):
     x = _positions(c, "positions")(x, inputs_position)
     x = _embedding_norm(c, "embedding_norm")(x)
     x = layers.Dropout(c.dropout_rate)(x, deterministic=deterministic)
-    x = EncoderStack(c, name="encoder")(x, mask, deterministic=deterministic,
+    x = blocks.EncoderStack(c, name="encoder")(x, mask, deterministic=deterministic,
                                         positions=inputs_position)  # [b, len, emb]
     pooled = _pool(c, x, inputs, deterministic)
     pooled = layers.Dropout(c.dropout_rate)(pooled, deterministic=deterministic)

@@ -33,7 +33,7 @@ MESH_AXES = ("data", "fsdp", "tensor")
 # are created with vocab / embed / heads / kv_heads / kv / mlp names
 # (`nn.with_logical_partitioning` in models.py, attention.py, layers.py); activations are
 # constrained with batch / length / heads / kv_heads / kv / mlp (their embedding dimension
-# stays whole: see models.residual_stream). kv_heads are grouped-query attention's fewer
+# stays whole: see blocks.residual_stream). kv_heads are grouped-query attention's fewer
 # key/value heads; a parameter dimension that does not divide its mesh axes stays whole
 # (multi-query's one head: `MeshParallel._sharding`).
 LOGICAL_RULES = (

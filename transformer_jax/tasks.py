@@ -20,6 +20,21 @@ from transformer_jax import metrics
 TASKS = ("translation", "summarization", "classification", "multitask")
 
 
+def has_labels(task: str) -> bool:
+  """Whether the task's examples carry a class label (`label`) rather than a target text."""
+  return task == "classification"
+
+
+def is_mixture(task: str) -> bool:
+  """Whether the task mixes parts (data/mixture.py), each scored by its own metric."""
+  return task == "multitask"
+
+
+def example_fields(task: str) -> tuple[str, str]:
+  """The two fields of the task's examples: the source, and the label or target text."""
+  return ("source", "label") if has_labels(task) else ("source", "target")
+
+
 def training_texts(examples: Sequence[dict]):
   """The texts SentencePiece learns from: sources, and targets when they are text."""
   for example in examples:

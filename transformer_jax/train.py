@@ -1,10 +1,11 @@
-"""Training and evaluation loop: `train_and_evaluate(config, workdir)`."""
+"""Training and evaluation loop: `train_and_evaluate(config, workdir)`, with the train state
+and the compiled step. What a run saves lives in checkpoint_policy.py, what it logs in
+run_record.py, its optimizer in optimizer.py."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import os
 import time
 
@@ -17,65 +18,22 @@ from absl import logging
 from flax.training import train_state
 from jax.experimental import multihost_utils
 
-from transformer_jax import attention_maps
+from transformer_jax import checkpoint_policy
 from transformer_jax import checkpoints
 from transformer_jax import config_validation
-from transformer_jax import evaluation
 from transformer_jax import families
-from transformer_jax import flops
-from transformer_jax import layer_decay
 from transformer_jax import metrics
+from transformer_jax import optimizer
 from transformer_jax import parallel
 from transformer_jax import preemption
 from transformer_jax import run_lock
-from transformer_jax import saved_config
+from transformer_jax import run_record
 from transformer_jax import summary_writer
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax import workdir as workdir_lib
 from transformer_jax.data import pipeline
 from transformer_jax.data import preparation
 from transformer_jax.data import sources
-
-
-class NonFiniteLossError(RuntimeError):
-  """The loss or the gradient norm stopped being finite; nothing was saved after it."""
-
-
-def rsqrt_schedule(peak_learning_rate: float, warmup_steps: int) -> optax.Schedule:
-  """Linear warmup to the peak, then decay with 1/sqrt(step), as in the paper."""
-
-  def schedule(count):
-    step = jnp.asarray(count, jnp.float32) + 1.0  # optax counts from 0
-    warmup = jnp.float32(max(warmup_steps, 1))
-    return peak_learning_rate * jnp.minimum(step / warmup, jnp.sqrt(warmup / step))
-
-  return schedule
-
-
-def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """Adam (0.9, 0.98, 1e-9) on the rsqrt schedule; optional clipping, weight decay and
-  layer-wise learning-rate decay (`config.layer_decay`, see layer_decay.py)."""
-  schedule = rsqrt_schedule(config.learning_rate, config.warmup_steps)
-  if config.weight_decay > 0:
-    adam = optax.adamw(schedule, b1=0.9, b2=0.98, eps=1e-9, weight_decay=config.weight_decay)
-  else:
-    adam = optax.adam(schedule, b1=0.9, b2=0.98, eps=1e-9)
-  parts = [adam]
-  if config.grad_clip_norm > 0:
-    parts.insert(0, optax.clip_by_global_norm(config.grad_clip_norm))
-  # Last, so that it scales whole updates (Adam's and AdamW's decoupled decay term). At 1.0
-  # nothing is added: the optimizer state keeps the structure older checkpoints hold.
-  if config.get("layer_decay", 1.0) < 1.0:
-    parts.append(layer_decay.scale_by_layer_decay(config.layer_decay))
-  return parts[0] if len(parts) == 1 else optax.chain(*parts)
-
-
-def _whole_data_state(state: dict) -> dict:
-  """The data position of every shard, from this process's (which knows its own shards)."""
-  if jax.process_count() == 1 or "shards" not in state:
-    return state
-  gathered = multihost_utils.process_allgather(np.asarray(state["shards"]))
-  return pipeline.merge_states([{"shards": part} for part in gathered.tolist()])
 
 
 def train_step(state: train_state.TrainState, batch, rng, *, family: families.Family,
@@ -161,7 +119,7 @@ def create_state(config: ml_collections.ConfigDict, family: families.Family,
   their logical axis names; the layout's `create_state` places and unboxes them."""
   return train_state.TrainState.create(apply_fn=family.model.apply,
                                        params=family.init_params(rng, boxed=True),
-                                       tx=make_optimizer(config))
+                                       tx=optimizer.make_optimizer(config))
 
 
 @contextlib.contextmanager
@@ -233,18 +191,20 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   manager = checkpoints.manager(workdir, config.keep_checkpoints)
   if config.pretrained and manager.latest_step() is None:
     state = state.replace(params=_pretrained_params(config, family, layout, init_rng))
-  state = _restore(config, workdir, manager, state, train_batches)
+  state = checkpoint_policy.restore(config, workdir, manager, state, train_batches)
   if is_chief:  # after a successful restore: a mismatch keeps the old config
     workdir_lib.save_config(workdir, config)
   start_step = int(state.step)
-  best = _BestCheckpoint(config, workdir, layout) if config.checkpoint_best_metric else None
+  best = (checkpoint_policy.BestCheckpoint(config, workdir, layout)
+          if config.checkpoint_best_metric else None)
 
   # ---- TensorBoard: the config, and the peak the MFU is measured against ------------------
-  step_flops, peak_tflops = _describe_run(config, family, global_batch_size, train_writer)
+  step_flops, peak_tflops = run_record.describe_run(config, family, global_batch_size,
+                                                    train_writer)
 
   # ---- Compiled steps -------------------------------------------------------------------
   p_train_step = compile_train_step(config, family, layout)
-  run_eval = _Evaluation(config, family, tokenizer, layout, eval_data, eval_examples,
+  run_eval = run_record.Evaluation(config, family, tokenizer, layout, eval_data, eval_examples,
                          eval_writer)
   state = layout.place_state(state)
 
@@ -252,14 +212,14 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   result = {}
   stopped_early = False
   evals_without_best = 0  # counted within this run: a resumed run starts again from 0
-  profile = _Profile(config, workdir, is_chief)
+  profile = run_record.Profile(config, workdir, is_chief)
   data_state = train_batches.state  # the pipeline's position after the last batch trained on
   # Closed on every exit, an error included: that stops the prefetch thread.
   with contextlib.closing(pipeline.prefetch(train_batches, layout.train_batch,
                                            config.prefetch_batches)) as batches, \
       preemption.PreemptionWatcher() as watcher:
-    meter = _TrainMeter(config, layout, train_writer, manager, step_flops, peak_tflops,
-                        start_step)
+    meter = run_record.TrainMeter(config, optimizer.learning_rate_schedule(config), layout,
+                                  train_writer, manager, step_flops, peak_tflops, start_step)
     for step in range(start_step, config.num_train_steps):
       profile.start_at(step)
       batch, data_state = next(batches)
@@ -275,8 +235,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
       pause_start = time.time()
       if watcher.should_stop(done):
         profile.stop()  # stopped inside the traced steps: keep what was traced
-        _save(manager, layout, done, state, data_state, meter.sums)
-        _wait_for_saves(manager, best)
+        checkpoint_policy.save(manager, layout, done, state, data_state, meter.sums)
+        checkpoint_policy.wait_for_saves(manager, best)
         logging.info("Stopped at step %d after saving its checkpoint.", done)
         return dict(result, preempted=True, step=done, checkpoint_dir=str(manager.directory))
       if done % config.eval_every_steps == 0 or done == config.num_train_steps:
@@ -287,7 +247,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
         stopped_early = 0 < config.early_stopping_evals <= evals_without_best
       if (done % config.checkpoint_every_steps == 0 or done == config.num_train_steps
           or stopped_early):
-        _save(manager, layout, done, state, data_state, meter.sums)
+        checkpoint_policy.save(manager, layout, done, state, data_state, meter.sums)
       if stopped_early:
         logging.info("Early stopping at step %d: %d evaluations without a better %s.", done,
                      evals_without_best, best.metric)
@@ -298,7 +258,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   if start_step >= config.num_train_steps:
     logging.info("Already trained to step %d.", start_step)
     result = run_eval(start_step, state)
-  _wait_for_saves(manager, best)
+  checkpoint_policy.wait_for_saves(manager, best)
   if best:
     best.manager.close()
   final_step = manager.latest_step()
@@ -307,8 +267,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   eval_writer.close()
 
   # ---- Summary ---------------------------------------------------------------------------
-  logging.info("\n  ".join(_summary(workdir, run_start, final_step, stopped_early, result,
-                                    best, manager)))
+  logging.info("\n  ".join(run_record.summary(workdir, run_start, final_step, stopped_early,
+                                              result, best, manager)))
   if best:
     result = dict(result, best=best.record, stopped_early=stopped_early)
   return result
@@ -371,272 +331,3 @@ def _pretrained_params(config: ml_collections.ConfigDict, family: families.Famil
   logging.info("Model: weights of %s (%s) imported.", config.pretrained, checkpoint.model_type)
   # pmap: host arrays, replicated on every device with the rest of the state (place_state).
   return layout.place_params(params, boxed) if layout.mode == "jit" else params
-
-
-def _restore(config: ml_collections.ConfigDict, workdir: str, manager,
-             state: train_state.TrainState,
-             train_batches: pipeline.TrainBatches) -> train_state.TrainState:
-  """`state`, and the position of `train_batches`, from the newest good checkpoint (as they
-  are when there is none)."""
-  if manager.latest_step() is None:
-    return state
-  # Restored into the new state's shardings, whatever layout and devices saved it; a
-  # damaged newest checkpoint falls back to the one before it.
-  try:
-    params, opt_state, step, data_state = checkpoints.restore(
-        manager, state.params, state.opt_state, with_data_state=True)
-  except checkpoints.CheckpointError as e:
-    raise checkpoints.CheckpointError(f"{e} {_model_changes(workdir, config)}") from None
-  damaged = checkpoints.damaged_steps_after(manager, step)  # the same list on every host
-  if damaged and jax.process_index() == 0:
-    checkpoints.set_aside(workdir, manager, damaged)
-  if damaged and jax.process_count() > 1:
-    multihost_utils.sync_global_devices("damaged checkpoints set aside")
-    manager.reload()
-  state = state.replace(step=step, params=params, opt_state=opt_state)
-  train_batches.restore(data_state)
-  logging.info("Resumed from checkpoint at step %d (data position %s).", step, data_state)
-  return state
-
-
-def _model_changes(workdir: str, config: ml_collections.ConfigDict) -> str:
-  """The model / data keys in which `config` differs from the workdir's saved config."""
-  try:
-    changes = saved_config.fixed_key_changes(workdir_lib.load_config(workdir), config)
-  except workdir_lib.WorkdirError:
-    return ""
-  return f"Changed since this workdir was trained: {'; '.join(changes)}." if changes else ""
-
-
-class _BestCheckpoint:
-  """The parameters of the best evaluation by `config.checkpoint_best_metric`, in their own
-  folder; `record` ({metric, value, step}, None before the first) is kept across resumes."""
-
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str, layout):
-    self.metric, self._mode, self._layout = (config.checkpoint_best_metric,
-                                             config.checkpoint_best_mode, layout)
-    self.manager = checkpoints.manager(workdir, 1, folder=checkpoints.BEST_DIR)
-    self.record = checkpoints.best_record(self.manager)
-    if self.record and self.record["metric"] != self.metric:
-      raise ValueError(f"{self.manager.directory} keeps the best {self.record['metric']!r}, "
-                       f"not config.checkpoint_best_metric={self.metric!r}; move that folder "
-                       "away or keep the metric.")
-
-  def keep_if_best(self, step: int, result: dict, state: train_state.TrainState) -> bool:
-    """Saves the parameters if `result` is the best evaluation yet; True if it is."""
-    if self.metric not in result:
-      raise ValueError(f"config.checkpoint_best_metric={self.metric!r} is not a metric of "
-                       f"this evaluation ({', '.join(sorted(result))}).")
-    if not _improved(result[self.metric], self.record, self._mode):
-      return False
-    self.record = dict(metric=self.metric, value=float(result[self.metric]), step=step)
-    checkpoints.save_best(self.manager, step, self._layout.checkpoint_state(state).params,
-                          self.record)
-    logging.info("New best %s %.4f at step %d, kept in %s.", self.metric, self.record["value"],
-                 step, self.manager.directory)
-    return True
-
-
-def _improved(value: float, best: dict | None, mode: str) -> bool:
-  if not math.isfinite(value):
-    return False
-  if best is None:
-    return True
-  return value > best["value"] if mode == "max" else value < best["value"]
-
-
-def _describe_run(config: ml_collections.ConfigDict, family: families.Family,
-                  global_batch_size: int, writer) -> tuple[float | None, float]:
-  """Writes the config and the MFU's peak to TensorBoard; returns (model FLOPs of one training
-  step or None, peak TFLOP/s of one device)."""
-  step_flops, peak_tflops, peak_source = _step_flops_and_peak(config, family,
-                                                              global_batch_size)
-  config_text = "    " + config.to_json_best_effort(indent=2).replace("\n", "\n    ")
-  writer.write_texts(0, {"config": config_text, "mfu_peak": (
-      f"MFU is model FLOPs (flops.py, padded lengths) / ({peak_tflops:.1f} TFLOP/s x "
-      f"{jax.device_count()} devices); peak from {peak_source}.")})
-  writer.write_hparams(saved_config.flat(config.to_dict()))
-  writer.flush()
-  logging.info("MFU against %.1f TFLOP/s per device (%s).", peak_tflops, peak_source)
-  return step_flops, peak_tflops
-
-
-def _step_flops_and_peak(config: ml_collections.ConfigDict, family: families.Family,
-                         global_batch_size: int) -> tuple[float | None, float, str]:
-  """(model FLOPs of one training step or None when flops.py has no formula for this
-  family, peak TFLOP/s of one device, where that peak comes from) for the logged MFU."""
-  step_flops = family.train_step_flops(global_batch_size)
-  if step_flops is None:
-    return None, 0.0, "no FLOP count for this model family"
-  if jax.devices()[0].platform == "cpu":  # no data sheet; a small matmul keeps this quick
-    return step_flops, flops.measured_matmul_tflops(size=512, repeats=3), \
-        "measured float32 matmul (CPU)"
-  peak, source = flops.peak_tflops(family.model_config.dtype)
-  return step_flops, peak, source
-
-
-class _Evaluation:
-  """Evaluates the training state on the eval split and writes the result to TensorBoard:
-  the metrics, generated samples and attention heatmaps."""
-
-  def __init__(self, config: ml_collections.ConfigDict, family: families.Family,
-               tokenizer: tokenizer_lib.Tokenizer, layout, eval_data, eval_examples, writer):
-    self._config, self._family, self._tokenizer, self._layout = config, family, tokenizer, layout
-    self._data, self._examples, self._writer = eval_data, eval_examples, writer
-    self._evaluator = evaluation.Evaluator(config, family, tokenizer, layout)
-
-  def __call__(self, step: int, state: train_state.TrainState) -> dict:
-    start = time.time()
-    evaluator, writer = self._evaluator, self._writer
-    result, samples = evaluator.evaluate(state.params, self._data, self._examples,
-                                         self._config.num_generate_examples)
-    writer.write_scalars(step, dict(result, eval_time_s=time.time() - start,
-                                    decode_time_s=evaluator.decode_seconds))
-    if samples:
-      writer.write_texts(step, {"samples": "\n\n---\n\n".join(samples)})
-    if self._config.attention_images.layers and evaluator.first_generated is not None:
-      # Every process runs the forward pass (its arrays may span them); process 0 draws.
-      maps = attention_maps.collect(self._family, self._layout.checkpoint_state(state.params),
-                                    *evaluator.first_generated)
-      if jax.process_index() == 0:
-        writer.write_pngs(step, attention_maps.tensorboard_images(
-            maps, self._config.attention_images, self._tokenizer))
-    writer.flush()
-    logging.info("step %d eval (%.1f s): %s", step, time.time() - start,
-                 ", ".join(f"{k} {v:.4f}" for k, v in sorted(result.items())))
-    return result
-
-
-class _Profile:
-  """A profiler trace of the steps `config.profile_steps` = (first, count) names, taken by
-  process 0 into WORKDIR/profile."""
-
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str, is_chief: bool):
-    self._steps, self._last_step = tuple(config.profile_steps), config.num_train_steps
-    self._dir, self._is_chief = os.path.join(workdir, "profile"), is_chief
-    self._tracing = False
-
-  def start_at(self, step: int) -> None:
-    if self._steps and step == self._steps[0] and self._is_chief:
-      jax.profiler.start_trace(self._dir)
-      self._tracing = True
-
-  def stop_after(self, done: int, step_sums) -> None:
-    """Ends the trace once step `done` - 1, the last one it covers, has run."""
-    if self._tracing and (done == self._steps[0] + self._steps[1] or done == self._last_step):
-      jax.block_until_ready(step_sums)
-      self.stop()
-      logging.info("Wrote a profile of steps %d-%d to %s.", self._steps[0], done - 1,
-                   self._dir)
-
-  def stop(self) -> None:
-    if self._tracing:
-      jax.profiler.stop_trace()
-      self._tracing = False
-
-
-class _TrainMeter:
-  """The training metrics since the last log line, and the rates they were trained at.
-
-  The step sums are accumulated on device: the host only waits at log and save time. Rates
-  are measured from the end of the first step, so the compilation stays out of the steps/s,
-  tokens/s, MFU and ETA.
-  """
-
-  def __init__(self, config: ml_collections.ConfigDict, layout, writer, manager,
-               step_flops: float | None, peak_tflops: float, start_step: int):
-    self._config, self._layout, self._writer, self._manager = config, layout, writer, manager
-    self._step_flops, self._peak_tflops = step_flops, peak_tflops
-    self.sums, self._last_log_time, self._last_log_step, self._sums_steps = (
-        None, time.time(), start_step, 0)
-
-  def add(self, step_sums) -> None:
-    self.sums = step_sums if self.sums is None else jax.tree.map(jnp.add, self.sums, step_sums)
-    self._sums_steps += 1
-
-  def first_step_done(self, step_sums, done: int) -> None:
-    jax.block_until_ready(step_sums)
-    logging.info("First step (compilation included) took %.1f s.",
-                 time.time() - self._last_log_time)
-    self._last_log_time, self._last_log_step = time.time(), done
-
-  def exclude_since(self, pause_start: float) -> None:
-    """Leaves the time since `pause_start` (evaluating, saving) out of the rates."""
-    self._last_log_time += time.time() - pause_start
-
-  def log(self, done: int) -> None:
-    """Checks the sums are finite, then logs them and their rates (to TensorBoard too)."""
-    config, sums_steps = self._config, self._sums_steps
-    host_sums = self._layout.host_sums(self.sums)
-    _check_finite(host_sums, done, self._manager)
-    norms = {k: float(host_sums[k]) / sums_steps for k in ("grad_norm", "param_norm")}
-    train_metrics = metrics.normalize({k: v for k, v in host_sums.items()
-                                       if k not in ("nonfinite_steps", *norms)})
-    lr = float(rsqrt_schedule(config.learning_rate, config.warmup_steps)(done - 1))
-    scalars = dict(loss=train_metrics["loss"], accuracy=train_metrics["accuracy"],
-                   perplexity=metrics.perplexity(train_metrics["loss"]),
-                   learning_rate=lr, **norms)
-    progress = f"step {done}/{config.num_train_steps}: loss {train_metrics['loss']:.4f}, " \
-               f"lr {lr:.2e}, grad_norm {norms['grad_norm']:.3f}"
-    if done > self._last_log_step:  # else only the first step ran since: no rate yet
-      steps_per_sec = (done - self._last_log_step) / (time.time() - self._last_log_time)
-      tokens_per_sec = host_sums["denominator"] / sums_steps * steps_per_sec
-      scalars.update(steps_per_sec=steps_per_sec, step_time_s=1 / steps_per_sec,
-                     tokens_per_sec=tokens_per_sec)
-      progress += f", {steps_per_sec:.2f} steps/s, {tokens_per_sec:.0f} tokens/s"
-      if self._step_flops:
-        scalars["mfu"] = self._step_flops * steps_per_sec / (
-            self._peak_tflops * 1e12 * jax.device_count())
-        progress += f", MFU {scalars['mfu']:.1%}"
-      eta = (config.num_train_steps - done) / steps_per_sec / 60
-      progress += f", ETA {eta:.1f} min"
-    self._writer.write_scalars(done, scalars)
-    self._writer.flush()
-    logging.info("%s", progress)
-    self.sums, self._last_log_time, self._last_log_step, self._sums_steps = (
-        None, time.time(), done, 0)
-
-
-def _check_finite(host_sums: dict, step: int, manager) -> None:
-  if host_sums["nonfinite_steps"] == 0 and np.isfinite(host_sums["loss"]):
-    return
-  last_good = manager.latest_step()
-  raise NonFiniteLossError(
-      f"The training loss or gradient became non-finite by step {step}; stopped without "
-      f"saving. Last good checkpoint: {'none' if last_good is None else f'step {last_good}'} "
-      f"in {manager.directory}. Lower config.learning_rate, raise config.warmup_steps or set "
-      "config.grad_clip_norm, then re-run the same command to resume from it.")
-
-
-def _save(manager, layout, step: int, state: train_state.TrainState, data_state: dict,
-          sums) -> None:
-  """Starts writing the checkpoint of `step` in the background, once the steps since the
-  last log line (`sums`) are known to be finite."""
-  if sums is not None:  # else checked at this step's log line
-    _check_finite(layout.host_sums(sums), step, manager)
-  start = time.time()
-  saved = layout.checkpoint_state(state)
-  checkpoints.save(manager, step, saved.params, saved.opt_state, _whole_data_state(data_state))
-  logging.info("Saved checkpoint %d (%.1f s; written in the background) in %s.", step,
-               time.time() - start, manager.directory)
-
-
-def _wait_for_saves(manager, best: _BestCheckpoint | None) -> None:
-  checkpoints.wait_for_saves(manager)
-  if best:
-    checkpoints.wait_for_saves(best.manager)
-
-
-def _summary(workdir: str, run_start: float, final_step: int | None, stopped_early: bool,
-             result: dict, best: _BestCheckpoint | None, manager) -> list[str]:
-  """The lines of the run's closing log message."""
-  summary = [f"Finished at step {final_step}{' (stopped early)' if stopped_early else ''} "
-             f"in {(time.time() - run_start) / 60:.1f} min."]
-  if result:
-    summary.append("Final eval: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(result.items())))
-  if best and best.record:
-    summary.append(f"Best {best.record['metric']} {best.record['value']:.4f} at step "
-                   f"{best.record['step']} (--checkpoint best: {best.manager.directory}).")
-  summary.append(f"Checkpoints: {manager.directory}; TensorBoard: tensorboard --logdir "
-                 f"{workdir}.")
-  return summary

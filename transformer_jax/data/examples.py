@@ -6,6 +6,7 @@ from typing import Iterable, Sequence
 
 import ml_collections
 
+from transformer_jax import tasks
 from transformer_jax.data import mixture
 from transformer_jax.data import sources
 
@@ -15,7 +16,7 @@ def load_examples(config: ml_collections.ConfigDict,
   """{split: [example, ...]} for each of `splits`: {'source', 'target'} (translation,
   summarization, multitask) or {'source', 'label'} (classification) dicts."""
   sources.check_splits(splits)
-  if config.task == "multitask":
+  if tasks.is_mixture(config.task):
     return mixture.load_examples(config, splits)
   return sources.load_examples(config, splits)
 
@@ -24,7 +25,7 @@ def stream(config: ml_collections.ConfigDict, split: str, shard_index: int = 0,
            shard_count: int = 1) -> tuple[Iterable[dict], int | None]:
   """Examples shard_index, shard_index + shard_count, ... of `split`, streamed where the source
   allows (see sources.stream), and how many (None when not known up front)."""
-  if config.task == "multitask":
+  if tasks.is_mixture(config.task):
     return sources.shard_of(mixture.load_examples(config, [split])[split], shard_index,
                             shard_count)
   return sources.stream(config, split, shard_index, shard_count)

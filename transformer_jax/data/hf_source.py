@@ -33,6 +33,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from transformer_jax import tasks
 from transformer_jax import workdir as workdir_lib
 
 BUILDERS = ("parquet", "json", "csv", "arrow", "text")
@@ -255,7 +256,7 @@ def apply_label_names(config: ml_collections.ConfigDict) -> None:
   """A classification config takes the class names of a ClassLabel label column (its
   label_names then name what the ids mean); a class count that differs from
   config.model.num_classes is refused."""
-  if config.dataset != "huggingface" or config.task != "classification":
+  if config.dataset != "huggingface" or not tasks.has_labels(config.task):
     return
   names = class_names(config)
   if names is None:
@@ -275,7 +276,7 @@ def apply_label_names(config: ml_collections.ConfigDict) -> None:
 
 def check(config: ml_collections.ConfigDict, splits) -> None:
   """Opens `splits` and checks the fields the task reads, before anything is written."""
-  roles = ("source", "label") if config.task == "classification" else ("source", "target")
+  roles = tasks.example_fields(config.task)
   for split in splits:
     data = open_split(config, split)
     for role in roles:
@@ -338,7 +339,7 @@ def stream(config: ml_collections.ConfigDict, split: str, shard_index: int = 0,
   of unknown length)."""
   import datasets  # pylint: disable=g-import-not-at-top
   data = open_split(config, split)
-  classify = config.task == "classification"
+  classify = tasks.has_labels(config.task)
   roles = ("source", "label") if classify else ("source", "target")
   paths = {role: _field_path(config, role, data.features, split) for role in roles}
   names = list(config.label_names)

@@ -16,6 +16,7 @@ import ml_collections
 import numpy as np
 
 from transformer_jax import default_config
+from transformer_jax import tasks
 from transformer_jax.data import sources
 
 
@@ -55,7 +56,7 @@ def load_examples(config: ml_collections.ConfigDict,
     for split, examples in sources.load_examples(sub, splits).items():
       limit = part.get("max_train_examples" if split == "train" else "max_eval_examples", -1)
       for example in _cap(examples, limit, config.data_seed):
-        target = (sub.label_names[example["label"]] if sub.task == "classification"
+        target = (sub.label_names[example["label"]] if tasks.has_labels(sub.task)
                   else example["target"])
         mixed[split].append({"source": part.prefix + example["source"], "target": target,
                              "task": name, "metric": sub.task})

@@ -18,6 +18,7 @@ from transformer_jax import tasks
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax import workdir as workdir_lib
 from transformer_jax.data import examples as examples_lib
+from transformer_jax.data import features
 from transformer_jax.data import pipeline
 from transformer_jax.data import sources
 from transformer_jax.data import token_cache
@@ -94,7 +95,7 @@ def prepare_data(config: ml_collections.ConfigDict, workdir: str | None,
   if "train" in splits and training:
     encoded["train"] = _training_shards(config, workdir, family, tokenizer)
   for split in eval_splits:  # every reference is scored: overlong examples are truncated
-    encoded[split], overlong = family.encode_examples(examples[split], tokenizer)
+    encoded[split], overlong = features.encode_examples(family, examples[split], tokenizer)
     _warn_overlong(config, split, overlong, len(examples[split]), "truncated")
   return examples, tokenizer, encoded
 
@@ -114,8 +115,8 @@ def _training_shards(config: ml_collections.ConfigDict, workdir: str, family: fa
       continue
     stream, total = examples_lib.stream(config, "train", shard, count)
     drop = config.overlong == "drop"
-    held[shard], overlong = family.encode_examples(stream, tokenizer, drop_overlong=drop,
-                                                   total=total)
+    held[shard], overlong = features.encode_examples(family, stream, tokenizer,
+                                                     drop_overlong=drop, total=total)
     _warn_overlong(config, "train" if count == 1 else f"train shard {shard} of {count}",
                    overlong, len(held[shard]) + overlong * drop,
                    "dropped" if drop else "truncated")

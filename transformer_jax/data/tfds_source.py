@@ -12,6 +12,8 @@ from typing import Iterator
 
 import ml_collections
 
+from transformer_jax import tasks
+
 
 def prepare_command(name: str, data_dir: str | None) -> str:
   return f"tfds build {name}" + (f" --data_dir={data_dir}" if data_dir else "")
@@ -22,7 +24,7 @@ def _text(value) -> str:
 
 
 def _example(record: dict, t: ml_collections.ConfigDict, task: str) -> dict:
-  if task == "classification":
+  if tasks.has_labels(task):
     return {"source": _text(record[t.source_key]), "label": int(record[t.label_key])}
   return {"source": _text(record[t.source_key]), "target": _text(record[t.target_key])}
 

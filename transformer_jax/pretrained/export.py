@@ -9,14 +9,14 @@ import dataclasses
 import json
 from typing import Sequence
 
-from transformer_jax import models
+from transformer_jax import model_schema
 from transformer_jax import workdir as workdir_lib
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
 from transformer_jax.pretrained import mapping
 from transformer_jax.pretrained import run_config
 
 
-def export(params, model_config: models.TransformerConfig, workdir: str, output: str,
+def export(params, model_config: model_schema.TransformerConfig, workdir: str, output: str,
            label_names: Sequence[str] = ()) -> list[str]:
   """Writes the HF folder `output` for `params` of a workdir trained from a checkpoint (a
   classifier's `label_names` in class order); returns the names written."""

@@ -149,7 +149,7 @@ def serving_lengths(config: ml_collections.ConfigDict) -> None:
   output share one sequence)."""
   with config.unlocked():
     length = config.model.max_len
-    if families.name(config) == "decoder_only":
+    if families.family_class(families.name(config)).continues_prompt:
       length //= 2
     config.max_source_length = config.max_target_length = min(length, 512)
 

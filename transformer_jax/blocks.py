@@ -1,0 +1,252 @@
+"""The Transformer's layers and stacks (Vaswani et al., 2017): residual sub-layers, encoder
+and decoder layers, and the stacks of them that every model in models.py shares."""
+
+from __future__ import annotations
+
+import inspect
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer_jax import attention
+from transformer_jax import layers
+from transformer_jax.model_schema import TransformerConfig
+
+Array = jax.Array
+
+
+# What a rematerialised layer keeps from its forward pass; the rest is recomputed.
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,  # least memory: only layer inputs
+    "dots": jax.checkpoint_policies.dots_saveable,  # matmul outputs kept: no matmul recomputed
+    # matmul outputs without batch dimensions (the projections, not attention scores), so
+    # the [b, h, q, k] scores of long sequences are recomputed rather than stored.
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _remat(layer: type[nn.Module], c: TransformerConfig, static: tuple[str, ...]):
+  """`layer`, rematerialised when `c.remat`; `static`: the names of its `__call__` arguments
+  that must stay Python values (flags such as `deterministic`), passed positionally."""
+  if not c.remat:
+    return layer
+  if c.remat_policy not in REMAT_POLICIES:
+    raise ValueError(f"Unknown remat_policy {c.remat_policy!r}; use one of "
+                     f"{sorted(REMAT_POLICIES)}.")
+  arguments = list(inspect.signature(layer.__call__).parameters)  # self first, as remat counts
+  return nn.remat(layer, static_argnums=tuple(arguments.index(name) for name in static),
+                  policy=REMAT_POLICIES[c.remat_policy])
+
+
+def residual_stream(x: Array) -> Array:
+  """[b, len, emb] between layers: rows split over data x fsdp, the embedding dimension whole
+  (the jit layout's activation sharding; a no-op without logical axis rules, as under pmap)."""
+  return nn.with_logical_constraint(x, ("batch", "length", None))
+
+
+class SublayerConnection(nn.Module):
+  """Residual connection with a norm after (post-LN) or before (pre-LN) the sublayer."""
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x: Array, sublayer, *, deterministic: bool) -> Array:
+    c = self.config
+    norm = layer_norm(c, "norm")
+    y = sublayer(norm(x) if c.pre_ln else x)
+    y = layers.Dropout(c.dropout_rate)(y, deterministic=deterministic)
+    return x + y if c.pre_ln else norm(x + y)
+
+
+def layer_norm(c: TransformerConfig, name: str) -> nn.Module:
+  """The config's norm: LayerNorm, or RMSNorm (`norm='rmsnorm'`)."""
+  if c.norm == "rmsnorm":
+    return layers.RMSNorm(c.layer_norm_epsilon, c.dtype, name=name)
+  if c.norm != "layernorm":
+    raise ValueError(f"Unknown norm {c.norm!r}: use 'layernorm' or 'rmsnorm'.")
+  embed = lambda init: nn.with_logical_partitioning(init, ("embed",))
+  return nn.LayerNorm(epsilon=c.layer_norm_epsilon, dtype=c.dtype, name=name,
+                      scale_init=embed(nn.initializers.ones_init()),
+                      bias_init=embed(nn.initializers.zeros_init()))
+
+
+def _attention(c: TransformerConfig, name: str, score: str = "dot_product", *,
+               self_attention: bool = True):
+  """An attention layer of the config; rotary embeddings ('rope') in self-attention only."""
+  rotary = self_attention and c.position_embedding == "rope"
+  return attention.MultiHeadAttention(c.num_heads, c.qkv_dim, c.attention_dropout_rate, c.dtype,
+                                      score, c.attention_implementation,
+                                      use_bias=c.use_bias,
+                                      scale_scores=c.scale_attention_scores,
+                                      num_kv_heads=c.num_kv_heads,
+                                      rope_base=c.position_base if rotary else None, name=name)
+
+
+def _ffn(c: TransformerConfig):
+  rate = c.dropout_rate if c.activation_dropout_rate is None else c.activation_dropout_rate
+  return layers.FeedForward(c.mlp_dim, rate, c.ffn_activation, c.dtype, use_bias=c.use_bias,
+                            name="ffn")
+
+
+def _relative_bias(c: TransformerConfig, name: str, bidirectional: bool):
+  return layers.RelativePositionBias(c.num_heads, c.relative_attention_num_buckets,
+                                     c.relative_attention_max_distance, bidirectional,
+                                     name=name)
+
+
+def _relative_biases(c: TransformerConfig, num_layers: int, bidirectional: bool,
+                     query_positions: Array, key_positions: Array) -> list[Array]:
+  """Each layer's relative position bias [b, h, q, k] (inside a stack's compact call): one
+  table for the stack, which T5 keeps in its first layer, or one per layer (UMT5)."""
+  if not c.relative_bias_per_layer:
+    bias = _relative_bias(c, "relative_bias", bidirectional)(query_positions, key_positions)
+    return [bias] * num_layers
+  return [_relative_bias(c, f"relative_bias_{i}", bidirectional)(query_positions,
+                                                                 key_positions)
+          for i in range(num_layers)]
+
+
+def _stack_positions(length: int, positions: Array | None) -> Array:
+  """[b|1, len] positions of a stack's tokens: the packed ones, else 0..len-1."""
+  return jnp.arange(length)[None, :] if positions is None else positions
+
+
+class EncoderLayer(nn.Module):
+  """Self-attention, then the feed-forward network, each with its residual connection."""
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x: Array, mask: Array | None, deterministic: bool,
+               bias: Array | None = None, positions: Array | None = None) -> Array:
+    """`positions` [b|1, len]: the tokens' positions for rotary embeddings ('rope')."""
+    residual = lambda name: SublayerConnection(self.config, name=name)
+    self_attention = _attention(self.config, "self_attention")
+    x = residual("self_attention_block")(
+        x, lambda h: self_attention(h, h, mask, deterministic=deterministic, bias=bias,
+                                    positions=positions),
+        deterministic=deterministic)
+    ffn = _ffn(self.config)
+    return residual("ffn_block")(x, lambda h: ffn(h, deterministic=deterministic),
+                                 deterministic=deterministic)
+
+
+class DecoderLayer(nn.Module):
+  """Causal self-attention, cross-attention (unless decoder-only), feed-forward network."""
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, y: Array, encoded: Array | None, self_mask: Array | None,
+               cross_mask: Array | None, deterministic: bool, decode: bool,
+               bias: Array | None = None, positions: Array | None = None,
+               prefix_fill: bool = False) -> Array:
+    """`positions` [b|1, len]: the tokens' positions for rotary embeddings ('rope'); while
+    decoding, those of the tokens fed in this call. `prefix_fill`: see MultiHeadAttention."""
+    c = self.config
+    residual = lambda name: SublayerConnection(c, name=name)
+    self_attention = _attention(c, "self_attention")
+    y = residual("self_attention_block")(
+        y, lambda h: self_attention(h, h, self_mask, deterministic=deterministic, decode=decode,
+                                    bias=bias, positions=positions, prefix_fill=prefix_fill),
+        deterministic=deterministic)
+    if encoded is not None:
+      cross_attention = _attention(c, "cross_attention", c.cross_attention_score,
+                                   self_attention=False)
+      y = residual("cross_attention_block")(
+          y, lambda h: cross_attention(h, encoded, cross_mask, deterministic=deterministic,
+                                       decode=decode),
+          deterministic=deterministic)
+    ffn = _ffn(c)
+    return residual("ffn_block")(y, lambda h: ffn(h, deterministic=deterministic),
+                                 deterministic=deterministic)
+
+
+class EncoderStack(nn.Module):
+  """num_layers encoder layers on embedded inputs [b, len, emb]; `positions` [b, len] (packed
+  rows) matter only for a relative position bias or rotary embeddings."""
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x: Array, mask: Array | None, *, deterministic: bool,
+               positions: Array | None = None) -> Array:
+    c = self.config
+    layer = _remat(EncoderLayer, c, static=("deterministic",))
+    biases = [None] * c.num_layers
+    positions = _stack_positions(x.shape[1], positions)
+    if c.position_embedding == "relative":
+      biases = _relative_biases(c, c.num_layers, True, positions, positions)
+    rotary_positions = positions if c.position_embedding == "rope" else None
+    for i in range(c.num_layers):
+      x = layer(c, name=f"layer_{i}")(residual_stream(x), mask, deterministic, biases[i],
+                                      rotary_positions)
+    if c.pre_ln if c.final_norm is None else c.final_norm:
+      x = layer_norm(c, "final_norm")(x)
+    return x
+
+
+class DecoderStack(nn.Module):
+  """Decoder layers on embedded decoder inputs; `encoded` None = decoder-only.
+
+  `positions` [b, len] (packed rows) matter only for a relative position bias or rotary
+  embeddings; while decoding, the cache counts positions instead, less each row's
+  `decode_offset` [b] (see layers.PositionEmbedding). `prefix_fill`: the tokens fed while
+  decoding are a prefix LM's prompt, read both ways.
+  """
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, y: Array, encoded: Array | None, self_mask: Array | None,
+               cross_mask: Array | None, *, deterministic: bool, decode: bool,
+               positions: Array | None = None, decode_offset: Array | None = None,
+               prefix_fill: bool = False) -> Array:
+    c = self.config
+    layer = _remat(DecoderLayer, c, static=("deterministic", "decode", "prefix_fill"))
+    num_layers = c.num_decoder_layers or c.num_layers
+    biases = [None] * num_layers
+    if c.position_embedding == "relative":
+      query_positions, key_positions = self._relative_positions(y, positions, decode)
+      biases = _relative_biases(c, num_layers, False, query_positions, key_positions)
+    rotary_positions = None
+    if c.position_embedding == "rope":
+      # Keys are cached already rotated: decoding needs the new tokens' positions only.
+      rotary_positions = (self._decode_positions(y.shape[0], y.shape[1], decode_offset)[1]
+                          if decode else _stack_positions(y.shape[1], positions))
+    for i in range(num_layers):
+      y = layer(c, name=f"layer_{i}")(residual_stream(y), encoded, self_mask, cross_mask,
+                                      deterministic, decode, biases[i], rotary_positions,
+                                      prefix_fill)
+    if c.pre_ln if c.final_norm is None else c.final_norm:
+      y = layer_norm(c, "final_norm")(y)
+    return y
+
+  def _relative_positions(self, y: Array, positions: Array | None, decode: bool):
+    """Query and key positions of the self-attention's relative bias. Decoding, the cache
+    holds each slot's position beside the keys (written as tokens are fed; rows are beams)."""
+    length = y.shape[1]
+    if not decode:
+      positions = _stack_positions(length, positions)
+      return positions, positions
+    initialized = self.has_variable("cache", "cached_positions")
+    cached = self.variable("cache", "cached_positions", jnp.zeros, (y.shape[0], length),
+                           jnp.int32)
+    index, new = self._decode_positions(y.shape[0], length)
+    if not initialized:  # the init pass only creates the cache
+      return new, new
+    cached.value = jax.lax.dynamic_update_slice(cached.value, new, (0, index))
+    return new, cached.value
+
+  def _decode_positions(self, batch_size: int, length: int,
+                        decode_offset: Array | None = None) -> tuple[Array, Array]:
+    """While decoding: (the first cache slot this call writes, the absolute positions
+    [b, len] of the tokens it feeds), from a counter in the cache that every row (beam)
+    shares, less each row's `decode_offset`. The init pass that creates the cache gives
+    0..len-1 and leaves the counter at 0."""
+    initialized = self.has_variable("cache", "position_index")
+    index = self.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
+    start = index.value
+    if initialized:
+      index.value = start + length
+    new = jnp.broadcast_to(start + jnp.arange(length, dtype=jnp.int32),
+                           (batch_size, length))  # [b, len]
+    if decode_offset is not None:
+      new = new - decode_offset[:, None].astype(jnp.int32)
+    return start, new

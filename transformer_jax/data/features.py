@@ -1,0 +1,81 @@
+"""Examples -> token features for a model family (a feature converter, as t5x calls it): the
+texts tokenized a chunk at a time, each example's features from the family's
+`example_features`, gathered into Ragged arrays."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Iterable
+
+import numpy as np
+from absl import logging
+
+from transformer_jax import tokenizer as tokenizer_lib
+from transformer_jax.data import pipeline
+
+ENCODE_CHUNK = 100_000  # examples tokenized per batch call
+
+
+class _Progress:
+  """Logs encoding progress about every 10% of a split of more than a chunk, with an ETA (or,
+  when the size is not known up front, every chunk)."""
+
+  def __init__(self, total: int | None):
+    self.total, self.start, self.next_report = total, time.perf_counter(), 0.1
+
+  def update(self, done: int) -> None:
+    elapsed = time.perf_counter() - self.start
+    if self.total is None:
+      logging.info("Encoded %s examples, %.0f s.", f"{done:,}", elapsed)
+      return
+    if self.total <= ENCODE_CHUNK or done / self.total < self.next_report:
+      return
+    logging.info("Encoded %s of %s examples (%.0f%%), %.0f s, ETA %.0f s.", f"{done:,}",
+                 f"{self.total:,}", 100 * done / self.total, elapsed,
+                 elapsed * max(self.total - done, 0) / done)
+    self.next_report = done / self.total + 0.1
+
+
+
+def encode_examples(family, examples: Iterable[dict], tokenizer: tokenizer_lib.Tokenizer, *,
+                    drop_overlong: bool = False, total: int | None = None
+                    ) -> tuple[pipeline.Encoded, int]:
+  """Token features of `examples` (a list, or a stream read a chunk at a time: memory holds
+  token arrays, never the texts of a whole split), and how many were longer than
+  max_source_length / max_target_length: truncated, or left out with `drop_overlong`
+  (training with config.overlong='drop'). `total` (a list's length by default) gives the
+  progress log its ETA. The `family` gives each example's features (`example_features`),
+  their padded lengths and, for a classifier, the label array."""
+  max_source, max_target = family.config.max_source_length, family.config.max_target_length
+  # Per feature, one Ragged per chunk: memory holds arrays, not an object per example.
+  features: dict[str, list[pipeline.Ragged]] = {name: [] for name in family.feature_lengths()}
+  labels, overlong, done = [], 0, 0
+  progress = _Progress(len(examples) if total is None and hasattr(examples, "__len__")
+                       else total)
+  examples = iter(examples)
+  while chunk := list(itertools.islice(examples, ENCODE_CHUNK)):
+    sources = tokenizer.encode_batch([e["source"] for e in chunk])
+    # Targets through the target-side tokenizer (Marian has one of its own).
+    targets = (tokenizer.encode_target_batch([e["target"] for e in chunk])
+               if family.generates_text
+               else [[]] * len(chunk))
+    chunk_features: dict[str, list[np.ndarray]] = {name: [] for name in features}
+    for example, source, target in zip(chunk, sources, targets):
+      too_long = len(source) + 1 > max_source or len(target) + 1 > max_target
+      overlong += too_long
+      if too_long and drop_overlong:
+        continue
+      for feature, value in family.example_features(source, target).items():
+        chunk_features[feature].append(value)
+      if not family.generates_text:
+        labels.append(example["label"])
+    for feature, values in chunk_features.items():
+      features[feature].append(pipeline.Ragged.from_sequences(
+          values, pipeline.feature_dtype(feature)))
+    done += len(chunk)
+    progress.update(done)
+  return pipeline.Encoded(
+      {name: pipeline.Ragged.concatenate(parts, pipeline.feature_dtype(name))
+       for name, parts in features.items()},
+      family.feature_lengths(), family.label_array(labels)), overlong
