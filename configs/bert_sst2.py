@@ -40,7 +40,4 @@ def get_config(model: str = "bert"):
   config.eval_every_steps = 1_000
   config.checkpoint_every_steps = 1_000
   config.checkpoint_best_metric = "accuracy"
-  # Replaced by the checkpoint's (kept so that the file describes a buildable model).
-  config.model.update(vocab_size=30522, emb_dim=768, num_heads=12, qkv_dim=768, mlp_dim=3072,
-                      num_layers=12, max_len=512, pooling="cls_pooler")
   return config

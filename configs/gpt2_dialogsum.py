@@ -36,7 +36,4 @@ def get_config(data: str = "local"):
   config.checkpoint_every_steps = 400
   config.checkpoint_best_metric = "rougeL"
   config.decoding.update(method="beam", beam_size=4, alpha=0.6, max_decode_len=96)
-  # Replaced by the checkpoint's (kept so that the file describes a buildable model).
-  config.model.update(vocab_size=50258, emb_dim=768, num_heads=12, qkv_dim=768, mlp_dim=3072,
-                      num_layers=12, max_len=1024, pre_ln=True)
   return config

@@ -35,7 +35,4 @@ def get_config(data: str = "local"):
   config.checkpoint_every_steps = 500
   config.checkpoint_best_metric = "bleu"
   config.decoding.update(method="beam", beam_size=4, alpha=0.6, max_decode_len=64)
-  # Replaced by the checkpoint's (kept here so the file describes a buildable model).
-  config.model.update(vocab_size=58101, emb_dim=512, num_heads=8, qkv_dim=512, mlp_dim=2048,
-                      num_layers=6, max_len=512, pre_ln=False)
   return config

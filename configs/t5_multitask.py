@@ -23,7 +23,4 @@ def get_config():
   config.learning_rate = 3e-4
   config.warmup_steps = 100
   config.label_smoothing = 0.0
-  # Replaced by the checkpoint's (kept here so the file describes a buildable model).
-  config.model.update(vocab_size=32128, emb_dim=512, num_heads=8, qkv_dim=512, mlp_dim=2048,
-                      num_layers=6, max_len=512, pre_ln=True)
   return config

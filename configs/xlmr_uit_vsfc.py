@@ -35,6 +35,4 @@ def get_config(model: str = "xlmr"):
   config.eval_every_steps = 350
   config.checkpoint_every_steps = 350
   config.checkpoint_best_metric = "accuracy"
-  config.model.update(emb_dim=768, num_heads=12, qkv_dim=768, mlp_dim=3072, num_layers=12,
-                      max_len=512, pooling="cls_head")
   return config

@@ -278,14 +278,55 @@ FALLBACK_SENTENCES = {
     ],
 }
 
-T5_KINDS = ("t5", "t5_gated", "mt5", "umt5")
-SEQ2SEQ_KINDS = T5_KINDS + ("bart", "mbart", "marian")
-# The encoder-decoders: test_pretrained_models runs its translation tests over these, and
-# their weights' seeds derive from this order (kept, so their checkpoints stay the same).
-MODEL_KINDS = SEQ2SEQ_KINDS
-ENCODER_KINDS = ("bert", "bert_bare", "roberta", "xlm-roberta")  # encoder-only (classifiers)
-DECODER_KINDS = ("gpt2",)  # decoder-only language models
-ALL_KINDS = SEQ2SEQ_KINDS + ENCODER_KINDS + DECODER_KINDS
+ENCODER_DECODER, CLASSIFIER, DECODER_ONLY = "encoder_decoder", "encoder_classifier", "decoder_only"
+# Label names as a sentiment checkpoint's config.json has them (UIT-VSFC's 0 / 1 / 2).
+SENTIMENT_LABELS = ("negative", "neutral", "positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+  """A kind of tiny checkpoint the tests build: everything `tiny_model` needs to know of it."""
+  model_type: str  # config.json's model_type (pretrained/architecture.py's registry)
+  family: str  # the family it imports as
+  tokenizer: str  # its tokenizer's builder in _TOKENIZER_BUILDERS (kinds that share one)
+  model: str  # its model class and config in _MODEL_BUILDERS
+  labels: tuple[str, ...] | None = None  # a classifier's label names (None: no classifier)
+  logits_bias: bool = False  # a final_logits_bias that `eos_bias` can raise
+  untied: bool = False  # an lm_head of its own, beside the embedding
+
+
+# The one table of test kinds. The encoder-decoders come first, in this order: their weights'
+# seeds derive from it (kept, so their checkpoints stay the same), and test_pretrained_models
+# runs its translation tests over them.
+KINDS = {
+    # T5 v1.0: ReLU, tied output, decoder outputs rescaled.
+    "t5": Kind("t5", ENCODER_DECODER, "t5", "t5"),
+    # T5 v1.1 / Flan-T5: gated-GELU, untied lm_head; mT5 the same; UMT5 a bias per layer.
+    "t5_gated": Kind("t5", ENCODER_DECODER, "t5", "t5", untied=True),
+    "mt5": Kind("mt5", ENCODER_DECODER, "t5", "t5", untied=True),
+    "umt5": Kind("umt5", ENCODER_DECODER, "t5", "t5"),
+    "bart": Kind("bart", ENCODER_DECODER, "bart", "bart", logits_bias=True),
+    "mbart": Kind("mbart", ENCODER_DECODER, "bart", "bart", logits_bias=True),  # pre-LN
+    # OPUS-MT: scaled embeddings, sinusoidal positions, pad = last id, pad banned.
+    "marian": Kind("marian", ENCODER_DECODER, "marian", "marian", logits_bias=True),
+    # Post-LN encoders, 64 positions. BERT: uncased WordPiece, [PAD]=0, [SEP]=3 the end token.
+    "bert": Kind("bert", CLASSIFIER, "bert", "bert", labels=SENTIMENT_LABELS),
+    "bert_bare": Kind("bert", CLASSIFIER, "bert", "bert"),  # BertModel with its pooler
+    # Byte-level BPE, <s>=0 <pad>=1 </s>=2, positions offset past the pad, one token type.
+    "roberta": Kind("roberta", CLASSIFIER, "roberta", "roberta",
+                    labels=("negative", "positive")),
+    # SentencePiece with XLM-R's ids, trained on Vietnamese + English; else as roberta.
+    "xlm-roberta": Kind("xlm-roberta", CLASSIFIER, "xlmr", "xlm-roberta",
+                        labels=SENTIMENT_LABELS),
+    # Pre-LN, tied output, 128 positions, `<|endoftext|>` the last id as bos and eos, no pad.
+    "gpt2": Kind("gpt2", DECODER_ONLY, "gpt2", "gpt2"),
+}
+ALL_KINDS = tuple(KINDS)
+_of_family = lambda family: tuple(k for k, kind in KINDS.items() if kind.family == family)
+SEQ2SEQ_KINDS = MODEL_KINDS = _of_family(ENCODER_DECODER)
+ENCODER_KINDS = _of_family(CLASSIFIER)  # encoder-only (classifiers)
+DECODER_KINDS = _of_family(DECODER_ONLY)  # decoder-only language models
+T5_KINDS = tuple(k for k, kind in KINDS.items() if kind.model == "t5")
 # Small enough to build and run in well under a second each, big enough to have every part:
 # 4 heads (2 per tensor-parallel device), a width that splits 4 ways (fsdp).
 # BART-like weights initialise wider than transformers' 0.02 (made for d_model in the
@@ -304,11 +345,25 @@ _BART_SIZES = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_atten
 _ENCODER_SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                       intermediate_size=64, initializer_range=0.3)
 _GPT2_SIZES = dict(n_embd=32, n_layer=2, n_head=4, n_inner=64, initializer_range=0.3)
-# Label names as a sentiment checkpoint's config.json has them (UIT-VSFC's 0 / 1 / 2).
-SENTIMENT_LABELS = ("negative", "neutral", "positive")
-_LABELS = {"bert": SENTIMENT_LABELS, "roberta": ("negative", "positive"),
-           "xlm-roberta": SENTIMENT_LABELS}
 _TOKENIZERS: dict = {}  # (builder, texts) -> a folder of its files, copied into each model's
+# Tokenizer builder -> (the texts it trains on, from (en, de, vi); how it is made in `folder`).
+_TOKENIZER_BUILDERS = {
+    "t5": (lambda en, de, vi: (en + de,),
+           lambda folder, texts: t5_tokenizer_files(folder, texts, vocab_size=700, extra_ids=20)),
+    "bart": (lambda en, de, vi: (en + de,),
+             lambda folder, texts: bart_tokenizer_files(folder, texts, vocab_size=700)),
+    "marian": (lambda en, de, vi: (en, de),
+               lambda folder, source, target: marian_tokenizer_files(folder, source, target,
+                                                                     vocab_size=400)),
+    "bert": (lambda en, de, vi: (en,),
+             lambda folder, texts: bert_tokenizer_files(folder, texts, vocab_size=800)),
+    "roberta": (lambda en, de, vi: (en,),
+                lambda folder, texts: roberta_tokenizer_files(folder, texts, vocab_size=700)),
+    "xlmr": (lambda en, de, vi: (vi + en,),
+             lambda folder, texts: xlmr_tokenizer_files(folder, texts, vocab_size=800)),
+    "gpt2": (lambda en, de, vi: (en,),
+             lambda folder, texts: gpt2_tokenizer_files(folder, texts, vocab_size=800)),
+}
 
 
 def model_sentences(language: str, count: int = 400) -> list[str]:
@@ -319,23 +374,13 @@ def model_sentences(language: str, count: int = 400) -> list[str]:
 def _tokenizer_files(kind: str, folder: str, en: list[str], de: list[str],
                      vi: list[str]) -> TokenizerFiles:
   """The kind's tokenizer files copied into `folder`; each tokenizer is trained once per
-  process (the T5 kinds share one, as mBART shares BART's and bert_bare BERT's)."""
-  builder = {"t5": "t5", "t5_gated": "t5", "mt5": "t5", "umt5": "t5", "bart": "bart",
-             "mbart": "bart", "marian": "marian", "bert": "bert", "bert_bare": "bert",
-             "roberta": "roberta", "xlm-roberta": "xlmr", "gpt2": "gpt2"}[kind]
-  texts = {"t5": (en + de,), "bart": (en + de,), "marian": (en, de), "bert": (en,),
-           "roberta": (en,), "xlmr": (vi + en,), "gpt2": (en,)}[builder]
+  process (kinds with the same builder share it: the T5 kinds, BART and mBART, ...)."""
+  builder = KINDS[kind].tokenizer
+  texts_of, make = _TOKENIZER_BUILDERS[builder]
+  texts = texts_of(en, de, vi)
   key = (builder, *map(tuple, texts))
   if key not in _TOKENIZERS:
-    scratch = tempfile.mkdtemp(prefix=f"hf_{builder}_tokenizer_")
-    _TOKENIZERS[key] = {
-        "t5": lambda: t5_tokenizer_files(scratch, *texts, vocab_size=700, extra_ids=20),
-        "bart": lambda: bart_tokenizer_files(scratch, *texts, vocab_size=700),
-        "marian": lambda: marian_tokenizer_files(scratch, *texts, vocab_size=400),
-        "bert": lambda: bert_tokenizer_files(scratch, *texts, vocab_size=800),
-        "roberta": lambda: roberta_tokenizer_files(scratch, *texts, vocab_size=700),
-        "xlmr": lambda: xlmr_tokenizer_files(scratch, *texts, vocab_size=800),
-        "gpt2": lambda: gpt2_tokenizer_files(scratch, *texts, vocab_size=800)}[builder]()
+    _TOKENIZERS[key] = make(tempfile.mkdtemp(prefix=f"hf_{builder}_tokenizer_"), *texts)
   os.makedirs(folder, exist_ok=True)
   for name in os.listdir(_TOKENIZERS[key].folder):
     shutil.copy(os.path.join(_TOKENIZERS[key].folder, name), folder)
@@ -356,22 +401,11 @@ def tiny_model(kind: str, folder: str, *, en: list[str] | None = None,
   tested.
 
   Args:
-    kind: one of ALL_KINDS. Encoder-decoders (MODEL_KINDS): 't5' (v1.0: ReLU, tied output,
-      decoder outputs rescaled), 't5_gated' (v1.1 / Flan-T5: gated-GELU, untied lm_head),
-      'mt5' (gated, untied), 'umt5' (relative bias per layer), 'bart', 'mbart' (pre-LN; BART's
-      tokenizer files) and 'marian' (OPUS-MT: scaled embeddings, sinusoidal positions, pad =
-      last id, pad banned). Encoders (ENCODER_KINDS, post-LN, 64 positions): 'bert'
-      (uncased WordPiece, [PAD]=0 [SEP]=3 the end token, no eos; a classifier of 3 labels
-      negative / neutral / positive), 'bert_bare' (BertModel with its pooler, no classifier),
-      'roberta' (byte-level BPE, <s>=0 <pad>=1 </s>=2, positions offset past the pad so
-      max_position_embeddings = 64 + 2, one token type; 2 labels negative / positive) and
-      'xlm-roberta' (SentencePiece with XLM-R's ids, trained on Vietnamese + English, else as
-      'roberta'; 3 labels as 'bert'). Decoder-only (DECODER_KINDS): 'gpt2' (pre-LN, tied
-      output, 128 positions, `<|endoftext|>` the last id as bos and eos, no pad).
+    kind: a key of KINDS (what each is: the comments there).
     folder: where to write (created if needed).
-    en, de, vi: sentences the tokenizer trains on (T5, BART: English + German; Marian: source
-      English, target German; BERT, RoBERTa, GPT-2: English; XLM-R: Vietnamese + English);
-      `model_sentences` by default.
+    en, de, vi: sentences the tokenizer trains on (see _TOKENIZER_BUILDERS: T5, BART: English
+      + German; Marian: source English, target German; BERT, RoBERTa, GPT-2: English; XLM-R:
+      Vietnamese + English); `model_sentences` by default.
     generation: generation_config.json values to set, e.g. {"forced_bos_token_id": 0}.
     eos_bias: added to the logits bias of EOS (BART, mBART, Marian: T5 has no bias), so that
       outputs end on their own, at different lengths, as a random model's rarely do.
@@ -380,62 +414,23 @@ def tiny_model(kind: str, folder: str, *, en: list[str] | None = None,
     seed: torch seed of the weights (offset per kind: mT5 and gated T5 differ).
   """
   import torch  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
-  if kind not in ALL_KINDS:
+  if kind not in KINDS:
     raise ValueError(f"Unknown kind {kind!r}; use one of {ALL_KINDS}.")
-  if eos_bias and kind not in ("bart", "mbart", "marian"):
+  spec = KINDS[kind]
+  if eos_bias and not spec.logits_bias:
     raise ValueError(f"eos_bias: {kind} has no logits bias.")
-  if labels is not None and kind not in _LABELS:
-    raise ValueError(f"labels: {kind} has no classifier; use one of {tuple(_LABELS)}.")
-  if generation and kind in ENCODER_KINDS:
+  if labels is not None and spec.labels is None:
+    raise ValueError(f"labels: {kind} has no classifier; use one of "
+                     f"{tuple(k for k, other in KINDS.items() if other.labels)}.")
+  if generation and spec.family == CLASSIFIER:
     raise ValueError(f"generation: {kind} does not generate.")
   en = model_sentences("en") if en is None else en
   de = model_sentences("de") if de is None else de
   vi = model_sentences("vi") if vi is None else vi
   files = _tokenizer_files(kind, folder, en, de, vi)
-  size = files.vocab_size
   generation = dict(generation or {})
-  if kind in T5_KINDS:
-    # Rounded up past the tokenizer like t5-small's 32128 rows for 32100 pieces: rows no
-    # piece uses, and a vocabulary that splits over tensor-parallel devices.
-    sizes = dict(_T5_SIZES, vocab_size=-(-size // 8) * 8, pad_token_id=files.pad_id,
-                 eos_token_id=files.eos_id, decoder_start_token_id=files.pad_id)
-    config_class, model_class = {
-        "t5": (transformers.T5Config, transformers.T5ForConditionalGeneration),
-        "t5_gated": (transformers.T5Config, transformers.T5ForConditionalGeneration),
-        "mt5": (transformers.MT5Config, transformers.MT5ForConditionalGeneration),
-        "umt5": (transformers.UMT5Config, transformers.UMT5ForConditionalGeneration)}[kind]
-    extra = {}
-    if kind != "t5":
-      extra["feed_forward_proj"] = "gated-gelu"
-    if kind in ("t5_gated", "mt5"):
-      extra["tie_word_embeddings"] = False
-    config = config_class(**sizes, **extra)
-  elif kind in ("bart", "mbart"):
-    config_class, model_class = {
-        "bart": (transformers.BartConfig, transformers.BartForConditionalGeneration),
-        "mbart": (transformers.MBartConfig, transformers.MBartForConditionalGeneration)}[kind]
-    # mBART's config leaves decoder_start_token_id unset (transformers' default: generation
-    # then starts from bos); BART's is eos.
-    config = config_class(**_BART_SIZES, vocab_size=size, max_position_embeddings=64,
-                          bos_token_id=files.tokenizer.bos_token_id, pad_token_id=files.pad_id,
-                          eos_token_id=files.eos_id, forced_eos_token_id=files.eos_id)
-  elif kind == "marian":
-    model_class = transformers.MarianMTModel
-    config = transformers.MarianConfig(
-        **_BART_SIZES, vocab_size=size, max_position_embeddings=128, pad_token_id=files.pad_id,
-        eos_token_id=files.eos_id, decoder_start_token_id=files.pad_id,
-        forced_eos_token_id=files.eos_id, scale_embedding=True,
-        share_encoder_decoder_embeddings=True)
-    # As every OPUS-MT generation_config.json: never generate the pad token.
-    generation.setdefault("bad_words_ids", [[files.pad_id]])
-  elif kind in ENCODER_KINDS:
-    model_class, config = _encoder(kind, files, _LABELS.get(kind) if labels is None else labels)
-  else:
-    model_class = transformers.GPT2LMHeadModel
-    end = files.eos_id  # <|endoftext|>: GPT-2 starts and ends texts with it, and pads with none
-    config = transformers.GPT2Config(**_GPT2_SIZES, vocab_size=size, n_positions=128,
-                                     bos_token_id=end, eos_token_id=end, pad_token_id=None)
+  model_class, config = _MODEL_BUILDERS[spec.model](
+      kind, files, generation, spec.labels if labels is None else labels)
   # The encoder-decoders keep the seeds they had before the other kinds came.
   kinds = MODEL_KINDS if kind in MODEL_KINDS else ALL_KINDS
   torch.manual_seed(seed * len(kinds) + kinds.index(kind))
@@ -444,13 +439,13 @@ def tiny_model(kind: str, folder: str, *, en: list[str] | None = None,
     for name, param in model.named_parameters():
       if "layer_norm" in name or "layernorm" in name:
         param.add_(0.1 * torch.randn_like(param))
-      elif kind not in MODEL_KINDS and (_is_norm(name) or name.endswith(".bias")):
+      elif spec.family != ENCODER_DECODER and (_is_norm(name) or name.endswith(".bias")):
         # BERT's LayerNorm, GPT-2's ln_*, and the biases these initialise to zero.
         param.add_(0.1 * torch.randn_like(param))
     if hasattr(model, "final_logits_bias"):
       model.final_logits_bias.copy_(0.1 * torch.randn_like(model.final_logits_bias))
       model.final_logits_bias[0, files.eos_id] += eos_bias
-    if kind in ("t5_gated", "mt5"):
+    if spec.untied:
       # Untied: an lm_head of its own, stored beside the embedding.
       model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight))
   if generation:
@@ -461,8 +456,69 @@ def tiny_model(kind: str, folder: str, *, en: list[str] | None = None,
   return folder
 
 
-def _encoder(kind: str, files: TokenizerFiles, labels: int | Sequence[str] | None):
-  """The model class and config of an encoder kind (see `tiny_model`)."""
+def _t5(kind: str, files: TokenizerFiles, generation: dict, labels):
+  """T5, mT5, UMT5: (model class, config); the ids are the tokenizer's."""
+  del generation, labels
+  import transformers  # pylint: disable=import-outside-toplevel
+  # Rounded up past the tokenizer like t5-small's 32128 rows for 32100 pieces: rows no
+  # piece uses, and a vocabulary that splits over tensor-parallel devices.
+  sizes = dict(_T5_SIZES, vocab_size=-(-files.vocab_size // 8) * 8, pad_token_id=files.pad_id,
+               eos_token_id=files.eos_id, decoder_start_token_id=files.pad_id)
+  model_type = KINDS[kind].model_type
+  config_class, model_class = {
+      "t5": (transformers.T5Config, transformers.T5ForConditionalGeneration),
+      "mt5": (transformers.MT5Config, transformers.MT5ForConditionalGeneration),
+      "umt5": (transformers.UMT5Config, transformers.UMT5ForConditionalGeneration)}[model_type]
+  extra = {}
+  if kind != "t5":
+    extra["feed_forward_proj"] = "gated-gelu"
+  if KINDS[kind].untied:
+    extra["tie_word_embeddings"] = False
+  return model_class, config_class(**sizes, **extra)
+
+
+def _bart(kind: str, files: TokenizerFiles, generation: dict, labels):
+  """BART, mBART: (model class, config)."""
+  del generation, labels
+  import transformers  # pylint: disable=import-outside-toplevel
+  config_class, model_class = {
+      "bart": (transformers.BartConfig, transformers.BartForConditionalGeneration),
+      "mbart": (transformers.MBartConfig, transformers.MBartForConditionalGeneration)}[kind]
+  # mBART's config leaves decoder_start_token_id unset (transformers' default: generation
+  # then starts from bos); BART's is eos.
+  return model_class, config_class(
+      **_BART_SIZES, vocab_size=files.vocab_size, max_position_embeddings=64,
+      bos_token_id=files.tokenizer.bos_token_id, pad_token_id=files.pad_id,
+      eos_token_id=files.eos_id, forced_eos_token_id=files.eos_id)
+
+
+def _marian(kind: str, files: TokenizerFiles, generation: dict, labels):
+  """OPUS-MT: (model class, config); its generation config bans the pad token."""
+  del kind, labels
+  import transformers  # pylint: disable=import-outside-toplevel
+  # As every OPUS-MT generation_config.json: never generate the pad token.
+  generation.setdefault("bad_words_ids", [[files.pad_id]])
+  return transformers.MarianMTModel, transformers.MarianConfig(
+      **_BART_SIZES, vocab_size=files.vocab_size, max_position_embeddings=128,
+      pad_token_id=files.pad_id, eos_token_id=files.eos_id,
+      decoder_start_token_id=files.pad_id, forced_eos_token_id=files.eos_id,
+      scale_embedding=True, share_encoder_decoder_embeddings=True)
+
+
+def _gpt2(kind: str, files: TokenizerFiles, generation: dict, labels):
+  """GPT-2: (model class, config)."""
+  del kind, generation, labels
+  import transformers  # pylint: disable=import-outside-toplevel
+  end = files.eos_id  # <|endoftext|>: GPT-2 starts and ends texts with it, and pads with none
+  return transformers.GPT2LMHeadModel, transformers.GPT2Config(
+      **_GPT2_SIZES, vocab_size=files.vocab_size, n_positions=128, bos_token_id=end,
+      eos_token_id=end, pad_token_id=None)
+
+
+def _encoder(kind: str, files: TokenizerFiles, generation: dict,
+             labels: int | Sequence[str] | None):
+  """BERT, RoBERTa, XLM-R: (model class, config), a classifier of `labels`."""
+  del generation
   import transformers  # pylint: disable=import-outside-toplevel
   if labels is None:  # bert_bare: no classifier, so no labels in its config
     names = {}
@@ -489,6 +545,12 @@ def _encoder(kind: str, files: TokenizerFiles, labels: int | Sequence[str] | Non
       **sizes, max_position_embeddings=64 + tokenizer.pad_token_id + 1, type_vocab_size=1,
       pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
       eos_token_id=tokenizer.eos_token_id)
+
+
+# Model builder -> (kind, tokenizer files, generation_config values, labels) -> (model class,
+# config); it may add generation values (Marian's banned pad).
+_MODEL_BUILDERS = {"t5": _t5, "bart": _bart, "marian": _marian, "bert": _encoder,
+                   "roberta": _encoder, "xlm-roberta": _encoder, "gpt2": _gpt2}
 
 
 def _is_norm(name: str) -> bool:

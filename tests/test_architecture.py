@@ -2,7 +2,9 @@
 correctness defects found in review, each pinned by a test."""
 
 import ast
+import itertools
 import os
+import re
 import subprocess
 import sys
 
@@ -243,3 +245,33 @@ def test_sampling_keys_differ_across_devices():
                           text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
   assert result.stdout.split()[-1] == "4"  # was 1: every device sampled with the same key
+
+
+# ---- The pretrained registry -----------------------------------------------------------------
+
+def test_every_registered_architecture_offers_the_protocol_and_a_test_kind():
+  from tests import hf_fixtures  # pylint: disable=import-outside-toplevel
+  from transformer_jax.pretrained import architecture  # pylint: disable=import-outside-toplevel
+  from transformer_jax.pretrained import mapping  # pylint: disable=import-outside-toplevel
+  for module in architecture.MODULES:
+    assert not architecture.missing_members(module), module.__name__
+    assert module.FAMILY in families.NAMES, module.__name__
+    # One activation table, mapping.py's: none of its own.
+    assert getattr(module, "ACTIVATIONS", mapping.ACTIVATIONS) is mapping.ACTIVATIONS
+    assert not hasattr(module, "_ACTIVATIONS"), module.__name__
+  # Each model_type has a tiny checkpoint kind in the tests, of the family it imports as.
+  tested = {kind.model_type: kind.family for kind in hf_fixtures.KINDS.values()}
+  assert set(tested) == set(architecture.MODEL_TYPES)
+  assert all(architecture.ARCHITECTURES[t].FAMILY == f for t, f in tested.items())
+
+
+def test_the_readme_table_names_exactly_the_registered_model_types():
+  from transformer_jax.pretrained import architecture  # pylint: disable=import-outside-toplevel
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    section = f.read().split("## Start from a pretrained model", 1)[1]
+  lines = section.splitlines()
+  first = next(i for i, line in enumerate(lines) if line.startswith("|"))
+  table = list(itertools.takewhile(lambda line: line.startswith("|"), lines[first:]))[2:]
+  # The checkpoints column names each model_type in backticks.
+  named = {name for line in table for name in re.findall(r"`([a-z0-9-]+)`", line.split("|")[2])}
+  assert named == set(architecture.MODEL_TYPES)

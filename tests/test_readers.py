@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests import cli
 from transformer_jax import default_config
 from transformer_jax.data import readers
 from transformer_jax.data import sources
@@ -106,6 +107,34 @@ from transformer_jax.data import examples
 examples_iter, count = examples.stream(test_readers._tfds_pairs_config({data_dir!r}), "train", 1, 3)
 print(json.dumps([count, list(examples_iter), "tensorflow" in sys.modules]))
 """
+
+
+# A TFDS config's training run where TensorFlow Datasets is not installed (the base install).
+_TRAIN_WITHOUT_TFDS = """
+import importlib.machinery, runpy, sys
+class NoTFDS(importlib.machinery.PathFinder):
+  @classmethod
+  def find_spec(cls, name, path=None, target=None):
+    if name.split(".")[0] in ("tensorflow", "tensorflow_datasets"):
+      return None
+    return importlib.machinery.PathFinder.find_spec(name, path, target)
+sys.meta_path = [NoTFDS if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
+sys.path.insert(0, {root!r})
+sys.argv = ["main", "--config", {config!r}, "--workdir", {workdir!r}]
+runpy.run_module("transformer_jax.main", run_name="__main__")
+"""
+
+
+def test_a_tfds_config_without_tfds_installed_names_the_install_in_one_line(tmp_path):
+  workdir = tmp_path / "run"
+  script = _TRAIN_WITHOUT_TFDS.format(root=ROOT, workdir=str(workdir),
+                                      config=os.path.join(ROOT, "configs", "wmt14_en_de.py"))
+  run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=120, env=cli.env())
+  assert run.returncode == 1, run.stderr[-2000:]
+  lines = [line for line in run.stderr.splitlines() if line.strip()]
+  assert len(lines) == 1 and "pip install -r requirements-tfds.txt" in lines[0], lines
+  assert not workdir.exists()  # refused before anything was written
 
 
 @pytest.mark.parametrize("file_format", ["array_record", "tfrecord"])

@@ -116,8 +116,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.mixture = ml_collections.ConfigDict()
 
   # Start from a pretrained Hugging Face checkpoint: a folder (config.json, model.safetensors,
-  # tokenizer files) or a hub name such as 'google/flan-t5-small' (encoder-decoders: T5 / mT5
-  # / UMT5, BART / mBART, Marian; classifiers: BERT, RoBERTa, XLM-R; decoder-only: GPT-2). It
+  # tokenizer files) or a hub name such as 'google/flan-t5-small' (the model_types of
+  # pretrained/architecture.py: T5, BART, Marian, BERT, RoBERTa, GPT-2 and their kin). It
   # fixes config.model's architecture keys and the tokenizer (kept in WORKDIR/pretrained/);
   # dropout, dtype, lengths and everything else stay this config's. '' = train from random
   # weights.

@@ -9,13 +9,11 @@
 
 `families.get(config)` builds the family object; training, evaluation, predict and the
 benchmark ask it (`forward`, `labels_and_weights`, `example_features`, `decode`, ...) and never
-look at the model's type. Adding a family means adding a class here.
+look at the model's type. Adding a family means adding a class here that implements
+family_base.Family (what every family offers) and its name in NAMES.
 """
 
 from __future__ import annotations
-
-import abc
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,15 +22,16 @@ import numpy as np
 
 from transformer_jax import decoding
 from transformer_jax import default_config
+from transformer_jax import family_base
 from transformer_jax import flops
 from transformer_jax import generate
 from transformer_jax import model_schema
 from transformer_jax import models
-from transformer_jax import parallel
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax.data import pipeline
 
 Array = jax.Array
+Family = family_base.Family  # what every family offers (family_base.py)
 NAMES = ("encoder_decoder", "decoder_only", "encoder_classifier")
 
 
@@ -47,7 +46,7 @@ def name(config: ml_collections.ConfigDict) -> str:
   return config.architecture
 
 
-def get(config: ml_collections.ConfigDict) -> "Family":
+def get(config: ml_collections.ConfigDict) -> family_base.Family:
   """The family object of `config`, holding its model."""
   return _BY_NAME[name(config)](config)
 
@@ -62,7 +61,7 @@ def generates_text(config: ml_collections.ConfigDict) -> bool:
   return _BY_NAME[name(config)].generates_text
 
 
-def family_class(family_name: str) -> type["Family"]:
+def family_class(family_name: str) -> type[family_base.Family]:
   """The class of a family by name (its `generates_text`, `continues_prompt`, ...)."""
   if family_name not in NAMES:
     raise ValueError(f"Unknown family {family_name!r}; use one of {NAMES}.")
@@ -90,7 +89,7 @@ CONFIGS_OF = {"encoder_decoder": "a translation, summarization or multitask conf
 
 
 def from_model_config(family_name: str, model_config: model_schema.TransformerConfig,
-                      **config_overrides) -> "Family":
+                      **config_overrides) -> family_base.Family:
   """A family around a model config, every other setting from default_config (for notebooks
   and tests that start from a TransformerConfig rather than an experiment config)."""
   config = default_config.get_config()
@@ -100,130 +99,7 @@ def from_model_config(family_name: str, model_config: model_schema.TransformerCo
   return get(config)
 
 
-class Family(abc.ABC):
-  """A sequence-to-sequence family; the classifier overrides what differs."""
-  name = ""
-  packable = True  # training rows may hold several packed examples
-  generates_text = True  # examples have a target text (the classifier: a label)
-  # Outputs continue the prompt in one sequence (decoder-only): Hugging Face's max_length
-  # then counts the prompt too.
-  continues_prompt = False
-  num_model_inputs = 1  # token arrays the model's __call__ takes
-
-  def __init__(self, config: ml_collections.ConfigDict):
-    self.config = config
-    self.model_config = model_schema.model_config(config.model)
-    self.model = self._make_model()
-
-  @abc.abstractmethod
-  def _make_model(self):
-    """The family's Flax model for self.model_config."""
-
-  @staticmethod
-  def longest_sequence(config: ml_collections.ConfigDict) -> int:
-    return max(config.max_source_length, config.max_target_length)
-
-  # ---- Training ---------------------------------------------------------------------------
-
-  def init_params(self, rng: Array, *, boxed: bool = False) -> dict:
-    """Parameters from one-token dummy inputs (their shapes do not depend on length).
-
-    With `boxed`, every parameter stays wrapped with the logical axis names it was created
-    with (`nn.with_logical_partitioning` in the model), which a jit layout maps to the mesh.
-    """
-    ones = jnp.ones((1, 1), jnp.int32)
-    params = self.model.init(rng, *[ones] * self.num_model_inputs, deterministic=True)["params"]
-    return params if boxed else parallel.unbox(params)
-
-  @abc.abstractmethod
-  def forward(self, params, batch: dict, *, deterministic: bool, rngs=None) -> Array:
-    """Logits of a batch: [b, len, vocab] (sequence families) or [b, num_classes]."""
-
-  def labels_and_weights(self, batch: dict) -> tuple[Array, Array]:
-    """What the loss compares the logits with, and how much each position counts."""
-    targets = batch["targets"]
-    weights = batch.get("weights")
-    if weights is None:
-      weights = (targets > 0).astype(jnp.float32)
-    return targets, weights
-
-  def score_outputs(self, params, batch: dict, score, *, deterministic: bool, rngs=None):
-    """`score(logits, labels, weights)` of the model's outputs on `batch`: the training loss
-    and its metrics. The decoder-only family computes logits only where weights are not 0."""
-    labels, weights = self.labels_and_weights(batch)
-    return score(self.forward(params, batch, deterministic=deterministic, rngs=rngs),
-                 labels, weights)
-
-  def train_step_flops(self, batch_size: int) -> float | None:
-    """Model FLOPs of one training step on full-length rows (for the MFU); None where
-    flops.py has no formula for the family."""
-    return None
-
-  # ---- Data -------------------------------------------------------------------------------
-
-  @abc.abstractmethod
-  def feature_lengths(self) -> dict[str, int]:
-    """Padded length of each token feature."""
-
-  @abc.abstractmethod
-  def example_features(self, source: list[int], target: list[int]) -> dict[str, np.ndarray]:
-    """One example's token features from its source (and target) token ids (data/features.py
-    encodes whole splits with it)."""
-
-  def label_array(self, labels: list[int]) -> np.ndarray | None:
-    """The examples' labels as the batches carry them (None: the family has none)."""
-    return None
-
-  def prompts(self, encoded: pipeline.Encoded) -> list[np.ndarray]:
-    """What generation starts from, per example: the encoder input (decoder-only: the
-    `SOURCE <eos>` part)."""
-    return encoded.features["inputs"]
-
-  # ---- Generation -------------------------------------------------------------------------
-
-  def check_nbest(self, decoding_config: ml_collections.ConfigDict, nbest: int) -> None:
-    """Raises ValueError when the decoding settings cannot give `nbest` outputs."""
-    generate.check_nbest(decoding_config, nbest)
-
-  def max_decode_len(self, decoding_config: ml_collections.ConfigDict, source_len: int) -> int:
-    return generate.max_decode_len(decoding_config, self.model_config, source_len)
-
-  @abc.abstractmethod
-  def decode(self, params, inputs: Array, rng: Array, *,
-             decoding_config: ml_collections.ConfigDict, nbest: int = 1):
-    """[b, src_len] prompts -> ([b, nbest, len] output ids, [b, nbest] scores), best first."""
-
-  def output_text(self, ids: Sequence[int], tokenizer: tokenizer_lib.Tokenizer) -> str:
-    """An output's text: detokenized ids (a classifier: the label name)."""
-    return tokenizer.decode(ids)
-
-  # ---- Inspection -------------------------------------------------------------------------
-
-  @abc.abstractmethod
-  def attention_weights(self, params, prompt: np.ndarray, output: np.ndarray):
-    """Attention of one example, teacher-forced on its `prompt` and an `output` (token ids,
-    EOS included, no padding): every layer's weights [1, heads, queries, keys] by module path
-    (models.attention_weights), and per attention kind ('encoder_self', 'decoder_self',
-    'cross') the token ids its queries predict or read, and those of its keys."""
-
-
-class _SequenceFamily(Family):
-  """A family that generates text token by token from a KV cache."""
-
-  def decode(self, params, inputs, rng, *, decoding_config, nbest=1):
-    max_len = self.max_decode_len(decoding_config, inputs.shape[1])
-    rows = inputs.shape[0] * generate.copies(decoding_config, nbest)
-    cache, tokens_to_logits, start_id = self.start_decoding(params, inputs, rows, max_len)
-    return generate.search(cache, tokens_to_logits, rng, start_id=start_id,
-                           batch_size=inputs.shape[0], decoding_config=decoding_config,
-                           max_len=max_len, nbest=nbest)
-
-  @abc.abstractmethod
-  def start_decoding(self, params, inputs: Array, rows: int, max_len: int):
-    """(cache, tokens_to_logits over `rows` flat rows, first token) for `inputs` [b, len]."""
-
-
-class EncoderDecoder(_SequenceFamily):
+class EncoderDecoder(family_base.SequenceFamily):
   """The paper's Transformer: the encoder reads the source, the decoder writes the target."""
   name = "encoder_decoder"
   num_model_inputs = 2  # inputs, targets
@@ -254,7 +130,7 @@ class EncoderDecoder(_SequenceFamily):
     init = lambda: self.model.init(
         jax.random.PRNGKey(0), jnp.ones((batch_size, source_len), jnp.int32),
         jnp.ones((batch_size, cache_len), jnp.int32), deterministic=True, decode=True)
-    return _zeros(jax.eval_shape(init)["cache"])
+    return family_base.zeros(jax.eval_shape(init)["cache"])
 
   def encoded_key_value(self, params, encoded: Array, source: Array):
     """Every decoder layer's cross-attention keys/values for `encoded` [b, src_len, emb]: the
@@ -297,7 +173,7 @@ class EncoderDecoder(_SequenceFamily):
             self.model_config.bos_id)
 
 
-class DecoderOnly(_SequenceFamily):
+class DecoderOnly(family_base.SequenceFamily):
   """A causal LM over `SOURCE <eos> TARGET <eos>`, graded on the target only. Causal over the
   source too, or with `model.prefix_lm` a prefix LM: the source part (loss weight 0) read
   both ways, in training and when a prompt fills the KV cache."""
@@ -381,7 +257,7 @@ class DecoderOnly(_SequenceFamily):
     init = lambda: self.model.init(jax.random.PRNGKey(0),
                                    jnp.ones((batch_size, cache_len), jnp.int32),
                                    deterministic=True, decode=True)
-    return _zeros(jax.eval_shape(init)["cache"])
+    return family_base.zeros(jax.eval_shape(init)["cache"])
 
   def start_decoding(self, params, inputs, rows, max_len):
     """Fills the KV cache with the right-padded prompts `SOURCE <eos>` [b, P].
@@ -413,7 +289,7 @@ class DecoderOnly(_SequenceFamily):
     return variables["cache"], tokens_to_logits, tokenizer_lib.EOS_ID
 
 
-class EncoderClassifier(Family):
+class EncoderClassifier(family_base.Family):
   """Encoder, pooling and a dense head: source -> one of config.model.num_classes labels."""
   name = "encoder_classifier"
   packable = False  # one label per row
@@ -478,10 +354,6 @@ def _prefix(batch: dict) -> Array | None:
   if "weights" not in batch:
     return None
   return (batch["weights"] == 0) & (batch["targets"] != 0)
-
-
-def _zeros(abstract_tree):
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract_tree)
 
 
 _BY_NAME = {f.name: f for f in (EncoderDecoder, DecoderOnly, EncoderClassifier)}

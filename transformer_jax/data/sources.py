@@ -83,7 +83,11 @@ def load_examples(config: ml_collections.ConfigDict,
 def check_dataset(config: ml_collections.ConfigDict, splits: Sequence[str]) -> None:
   """Opens a Hugging Face dataset's `splits` and checks the fields the task reads, and takes
   the class names of a ClassLabel column: before a run writes anything, a wrong name, split or
-  column is one line. The other sources are checked as they are read."""
+  column is one line; for TFDS, that it is installed. The other sources are checked as they
+  are read."""
+  if config.dataset == "tfds":
+    from transformer_jax.data import tfds_source  # pylint: disable=g-import-not-at-top
+    tfds_source.check_installed()
   if config.dataset == "huggingface":
     from transformer_jax.data import hf_source  # pylint: disable=g-import-not-at-top
     hf_source.check(config, splits)

@@ -7,6 +7,7 @@ nothing is downloaded here. A missing dataset gets an error with the command tha
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Iterator
 
@@ -29,7 +30,16 @@ def _example(record: dict, t: ml_collections.ConfigDict, task: str) -> dict:
   return {"source": _text(record[t.source_key]), "target": _text(record[t.target_key])}
 
 
+def check_installed() -> None:
+  """Raises a one-line error naming the install when TensorFlow Datasets is missing (the
+  base install leaves it and TensorFlow out: no other data source needs them)."""
+  if importlib.util.find_spec("tensorflow_datasets") is None:
+    raise ValueError("config.dataset='tfds' needs TensorFlow Datasets, which the base install "
+                     "leaves out: pip install -r requirements-tfds.txt (or -e .[tfds]).")
+
+
 def _builder(config: ml_collections.ConfigDict, split: str):
+  check_installed()
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   t = config.tfds
   if not t.name:

@@ -4,10 +4,11 @@
   files.py       a folder's files as untrusted input: safetensors headers and shard indexes
                  checked against the files, JSON files, nothing unpickled or imported
   chat_template.py  a tokenizer's chat template, checked and rendered in jinja2's sandbox
+  architecture.py  what an architecture module offers, and the registry of them (MODEL_TYPES)
   t5.py, bart.py, marian.py  encoder-decoders: config fields, special ids, weight table
   bert.py        BERT / RoBERTa / XLM-R classifiers (the same, plus the classification head)
   gpt2.py        GPT-2 as the decoder-only family
-  mapping.py     weight-name tables and their conversions, both directions
+  mapping.py     weight-name tables and their conversions, both directions; HF activations
   vocab.py       the checkpoint's ids renumbered to this project's pad 0 / eos 1 (a pad added
                  where the checkpoint has none: GPT-2)
   tokenizer.py   the checkpoint's own tokenizer behind this project's tokenizer interface

@@ -9,17 +9,14 @@ marian.py reuses this weight table.
 
 from __future__ import annotations
 
-from transformer_jax.pretrained.mapping import (Entry, attention_entries, config_value,
-                                               dense_entries, norm_entries)
+from transformer_jax.pretrained.mapping import (Entry, Layer, activation, attention_entries,
+                                               config_value, dense_entries, norm_entries)
 
 MODEL_TYPES = ("bart", "mbart")
 FAMILY = "encoder_decoder"
 EMBEDDING_TENSOR, OUTPUT_TENSOR = "model.shared.weight", "lm_head.weight"
 POSITION_OFFSET = 2  # BartLearnedPositionalEmbedding reads row position + 2
 _ATTENTION = dict(q="q_proj", k="k_proj", v="v_proj", o="out_proj")
-# activation_function (HF ACT2FN names) -> ours
-ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "gelu_new": "gelu_tanh",
-               "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "swish": "silu"}
 
 
 def common_fields(hf: dict, tied: bool) -> dict:
@@ -29,10 +26,7 @@ def common_fields(hf: dict, tied: bool) -> dict:
     if hf.get(decoder_key, hf[encoder_key]) != hf[encoder_key]:
       raise ValueError(f"{encoder_key} != {decoder_key} in config.json: encoders and decoders "
                        "of different widths are not supported.")
-  activation = config_value(hf, "activation_function", "gelu")
-  if activation not in ACTIVATIONS:
-    raise ValueError(f"activation_function={activation!r} is not supported; supported: "
-                     f"{sorted(ACTIVATIONS)}.")
+  ffn_activation = activation(hf, "activation_function", "gelu")
   return dict(
       vocab_size=hf["vocab_size"], emb_dim=hf["d_model"],
       num_heads=hf["encoder_attention_heads"], qkv_dim=hf["d_model"],
@@ -41,7 +35,7 @@ def common_fields(hf: dict, tied: bool) -> dict:
       dropout_rate=config_value(hf, "dropout", 0.1),
       attention_dropout_rate=config_value(hf, "attention_dropout", 0.0),
       activation_dropout_rate=config_value(hf, "activation_dropout", 0.0),
-      norm="layernorm", layer_norm_epsilon=1e-5, ffn_activation=ACTIVATIONS[activation],
+      norm="layernorm", layer_norm_epsilon=1e-5, ffn_activation=ffn_activation,
       use_bias=True, scale_attention_scores=True, position_base=10000.0,
       scale_embeddings=bool(config_value(hf, "scale_embedding", False)), tie_output=tied,
       output_rescale=False, logits_bias=True, bos_id=decoder_start(hf))
@@ -90,19 +84,18 @@ def weight_table(hf: dict, fields: dict, names=None, *,
       table += norm_entries((f"{stack}_embedding_norm",), f"{hf_stack}.layernorm_embedding",
                             bias=True)
     for i in range(num_layers):
-      ours, hf_layer = (stack, f"layer_{i}"), f"{hf_stack}.layers.{i}"
-      blocks = [("self_attention", "self_attn")]
+      layer, hf_layer = Layer(stack, i), f"{hf_stack}.layers.{i}"
+      blocks = [("self", "self_attn")]
       if stack == "decoder":
-        blocks.append(("cross_attention", "encoder_attn"))
-      for name, hf_name in blocks:
-        table += attention_entries(ours + (name,), f"{hf_layer}.{hf_name}", _ATTENTION,
-                                   self_attention=name == "self_attention", bias=True)
-        table += norm_entries(ours + (f"{name}_block", "norm"),
-                              f"{hf_layer}.{hf_name}_layer_norm", bias=True)
-      table += dense_entries(ours + ("ffn", "wi"), f"{hf_layer}.fc1", bias=True)
-      table += dense_entries(ours + ("ffn", "wo"), f"{hf_layer}.fc2", bias=True)
-      table += norm_entries(ours + ("ffn_block", "norm"), f"{hf_layer}.final_layer_norm",
-                            bias=True)
+        blocks.append(("cross", "encoder_attn"))
+      for kind, hf_name in blocks:
+        table += attention_entries(layer.attention(kind), f"{hf_layer}.{hf_name}", _ATTENTION,
+                                   self_attention=kind == "self", bias=True)
+        table += norm_entries(layer.attention_norm(kind), f"{hf_layer}.{hf_name}_layer_norm",
+                              bias=True)
+      table += dense_entries(layer.ffn("wi"), f"{hf_layer}.fc1", bias=True)
+      table += dense_entries(layer.ffn("wo"), f"{hf_layer}.fc2", bias=True)
+      table += norm_entries(layer.ffn_norm(), f"{hf_layer}.final_layer_norm", bias=True)
     if fields["final_norm"]:
       table += norm_entries((stack, "final_norm"), f"{hf_stack}.layer_norm", bias=True)
   if fields["tie_output"]:

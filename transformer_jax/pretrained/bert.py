@@ -17,16 +17,13 @@ from __future__ import annotations
 
 from typing import Collection
 
-from transformer_jax.pretrained.mapping import (Entry, attention_entries, config_value,
-                                               dense_entries, norm_entries)
+from transformer_jax.pretrained.mapping import (Entry, Layer, activation, attention_entries,
+                                               config_value, dense_entries, norm_entries)
 
 MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
 FAMILY = "encoder_classifier"
 EMBEDDING_TENSOR, OUTPUT_TENSOR = "embeddings.word_embeddings.weight", None  # no LM output
 _ATTENTION = dict(q="self.query", k="self.key", v="self.value", o="output.dense")
-# hidden_act (HF ACT2FN names) -> ours
-_ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "gelu_new": "gelu_tanh",
-                "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "swish": "silu"}
 _PREFIXES = {"bert": "bert.", "roberta": "roberta.", "xlm-roberta": "roberta."}
 ARCHITECTURES = {"bert": "BertForSequenceClassification",
                  "roberta": "RobertaForSequenceClassification",
@@ -55,10 +52,7 @@ def model_fields(hf: dict, tied: bool) -> dict:
   kind = config_value(hf, "position_embedding_type", "absolute")
   if kind != "absolute":
     raise ValueError(f"position_embedding_type={kind!r} is not supported (only 'absolute').")
-  activation = config_value(hf, "hidden_act", "gelu")
-  if activation not in _ACTIVATIONS:
-    raise ValueError(f"hidden_act={activation!r} is not supported; supported: "
-                     f"{sorted(_ACTIVATIONS)}.")
+  ffn_activation = activation(hf, "hidden_act", "gelu")
   dropout = config_value(hf, "hidden_dropout_prob", 0.1)
   return dict(
       vocab_size=hf["vocab_size"], emb_dim=hf["hidden_size"],
@@ -69,7 +63,7 @@ def model_fields(hf: dict, tied: bool) -> dict:
       attention_dropout_rate=config_value(hf, "attention_probs_dropout_prob", 0.1),
       activation_dropout_rate=0.0, pre_ln=False, final_norm=False, norm="layernorm",
       layer_norm_epsilon=config_value(hf, "layer_norm_eps", 1e-12),
-      ffn_activation=_ACTIVATIONS[activation], use_bias=True, scale_attention_scores=True,
+      ffn_activation=ffn_activation, use_bias=True, scale_attention_scores=True,
       position_embedding="learned", scale_embeddings=False, embedding_norm=True,
       num_token_types=config_value(hf, "type_vocab_size", 2),
       pooling="cls_head" if _is_roberta(hf) else "cls_pooler",
@@ -130,15 +124,14 @@ def weight_table(hf: dict, fields: dict, names: Collection[str] | None = None) -
     table.append(Entry(("token_types",), (f"{embeddings}.token_type_embeddings.weight",)))
   table += norm_entries(("embedding_norm",), f"{embeddings}.LayerNorm", bias=True)
   for i in range(fields["num_layers"]):
-    ours, hf_layer = ("encoder", f"layer_{i}"), f"{prefix}encoder.layer.{i}"
-    table += attention_entries(ours + ("self_attention",), f"{hf_layer}.attention", _ATTENTION,
+    layer, hf_layer = Layer("encoder", i), f"{prefix}encoder.layer.{i}"
+    table += attention_entries(layer.attention(), f"{hf_layer}.attention", _ATTENTION,
                                self_attention=True, bias=True)
-    table += norm_entries(ours + ("self_attention_block", "norm"),
-                          f"{hf_layer}.attention.output.LayerNorm", bias=True)
-    table += dense_entries(ours + ("ffn", "wi"), f"{hf_layer}.intermediate.dense", bias=True)
-    table += dense_entries(ours + ("ffn", "wo"), f"{hf_layer}.output.dense", bias=True)
-    table += norm_entries(ours + ("ffn_block", "norm"), f"{hf_layer}.output.LayerNorm",
+    table += norm_entries(layer.attention_norm(), f"{hf_layer}.attention.output.LayerNorm",
                           bias=True)
+    table += dense_entries(layer.ffn("wi"), f"{hf_layer}.intermediate.dense", bias=True)
+    table += dense_entries(layer.ffn("wo"), f"{hf_layer}.output.dense", bias=True)
+    table += norm_entries(layer.ffn_norm(), f"{hf_layer}.output.LayerNorm", bias=True)
   if _is_roberta(hf):
     # A bare RoBERTa's own pooler is not RoBERTa's head (transformers drops it too).
     pooler, head = "classifier.dense", "classifier.out_proj"

@@ -6,11 +6,7 @@ them; `read_params(checkpoint)` reads model.safetensors (one file or an indexed 
 shards) in the safetensors format into numpy, a few tensors at a time, and returns this project's
 parameter tree (float32, whatever the file's dtype). No torch is needed.
 
-Each architecture module (t5.py, bart.py, marian.py, bert.py, gpt2.py) offers MODEL_TYPES, the
-FAMILY it trains as, EMBEDDING_TENSOR / OUTPUT_TENSOR (None: no LM output), `model_fields`,
-`special_ids` and `weight_table`; classifiers add `head_tensors` and `export_config` (the
-exported config.json), and `complete_config` where config.json alone does not tell the
-special ids.
+The architecture modules, what each offers and the registry of them: architecture.py.
 """
 
 from __future__ import annotations
@@ -25,17 +21,12 @@ import jax
 import numpy as np
 
 from transformer_jax import checkpoints
-from transformer_jax.pretrained import bart
-from transformer_jax.pretrained import bert
+from transformer_jax.pretrained import architecture
 from transformer_jax.pretrained import files
-from transformer_jax.pretrained import gpt2
 from transformer_jax.pretrained import mapping
-from transformer_jax.pretrained import marian
-from transformer_jax.pretrained import t5
 from transformer_jax.pretrained import vocab as vocab_lib
 
-ARCHITECTURES: dict[str, ModuleType] = {
-    name: module for module in (t5, bart, marian, bert, gpt2) for name in module.MODEL_TYPES}
+ARCHITECTURES = architecture.ARCHITECTURES
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 # What config.json held for generation before generation_config.json existed.
@@ -87,8 +78,7 @@ class Checkpoint:
     return [str(id2label[key]) for key in sorted(id2label, key=int)]
 
   def shapes(self) -> mapping.Shapes:
-    f = self.fields
-    return mapping.Shapes(f["num_heads"], f["qkv_dim"] // f["num_heads"], self.vocab)
+    return mapping.Shapes.of(self.fields, self.vocab)
 
 
 def resolve(name_or_path: str) -> str:
@@ -159,7 +149,7 @@ def open_checkpoint(name_or_path: str) -> Checkpoint:
   if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
     # Never imported: a folder's own modeling code (config.json's auto_map) is not read.
     raise PretrainedError(f"{os.path.join(folder, 'config.json')}: model_type {model_type!r} is "
-                          f"not supported; supported: {', '.join(sorted(ARCHITECTURES))}.")
+                          f"not supported; supported: {', '.join(architecture.MODEL_TYPES)}.")
   _check_weights(folder)
   module = ARCHITECTURES[model_type]
   if hasattr(module, "complete_config"):

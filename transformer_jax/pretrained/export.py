@@ -11,6 +11,7 @@ from typing import Sequence
 
 from transformer_jax import model_schema
 from transformer_jax import workdir as workdir_lib
+from transformer_jax.pretrained import architecture
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
 from transformer_jax.pretrained import mapping
 from transformer_jax.pretrained import run_config
@@ -26,11 +27,10 @@ def export(params, model_config: model_schema.TransformerConfig, workdir: str, o
                      f"{run_config.FILES_DIR}/config.json): only those export to Hugging Face.")
   from safetensors.numpy import save  # pylint: disable=g-import-not-at-top
   hf_config = run_config.saved_json(workdir)
-  module = checkpoint_lib.ARCHITECTURES[hf_config["model_type"]]
+  module = architecture.ARCHITECTURES[hf_config["model_type"]]
   vocab = checkpoint_lib.vocab_map(hf_config)
   fields = dataclasses.asdict(model_config)
-  shapes = mapping.Shapes(model_config.num_heads, model_config.qkv_dim // model_config.num_heads,
-                          vocab)
+  shapes = mapping.Shapes.of(fields, vocab)
   tensors = mapping.state_dict(module.weight_table(hf_config, fields), params, shapes)
   target = workdir_lib.path(output)  # a local folder or a bucket URL
   target.mkdir(parents=True, exist_ok=True)

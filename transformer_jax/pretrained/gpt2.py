@@ -11,14 +11,11 @@ from __future__ import annotations
 
 from typing import Collection
 
-from transformer_jax.pretrained.mapping import Entry, config_value, norm_entries
+from transformer_jax.pretrained.mapping import Entry, Layer, activation, config_value, norm_entries
 
 MODEL_TYPES = ("gpt2",)
 FAMILY = "decoder_only"
 EMBEDDING_TENSOR, OUTPUT_TENSOR = "transformer.wte.weight", "lm_head.weight"
-# activation_function (HF ACT2FN names) -> ours
-_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
-                "relu": "relu", "silu": "silu", "swish": "silu"}
 
 
 def model_fields(hf: dict, tied: bool) -> dict:
@@ -30,10 +27,7 @@ def model_fields(hf: dict, tied: bool) -> dict:
     raise ValueError("scale_attn_by_inverse_layer_idx=true is not supported")
   if not config_value(hf, "scale_attn_weights", True):
     raise ValueError("scale_attn_weights=false is not supported")
-  activation = config_value(hf, "activation_function", "gelu_new")
-  if activation not in _ACTIVATIONS:
-    raise ValueError(f"activation_function={activation!r} is not supported; supported: "
-                     f"{sorted(_ACTIVATIONS)}.")
+  ffn_activation = activation(hf, "activation_function", "gelu_new")
   width = hf["n_embd"]
   return dict(
       vocab_size=hf["vocab_size"] + 1,  # the added pad
@@ -44,7 +38,7 @@ def model_fields(hf: dict, tied: bool) -> dict:
       attention_dropout_rate=config_value(hf, "attn_pdrop", 0.1), activation_dropout_rate=0.0,
       pre_ln=True, final_norm=True, norm="layernorm",
       layer_norm_epsilon=config_value(hf, "layer_norm_epsilon", 1e-5),
-      ffn_activation=_ACTIVATIONS[activation], use_bias=True, scale_attention_scores=True,
+      ffn_activation=ffn_activation, use_bias=True, scale_attention_scores=True,
       position_embedding="learned", scale_embeddings=False, embedding_norm=False,
       share_embeddings=True, tie_output=True, output_rescale=False, logits_bias=False,
       mask_padding_logit=True, bos_id=config_value(hf, "bos_token_id", 50256))
@@ -65,18 +59,17 @@ def weight_table(hf: dict, fields: dict, names: Collection[str] | None = None) -
                  "vocab_rows"),
            Entry(("positions", "pos_embedding"), (f"{prefix}wpe.weight",))]
   for i in range(fields["num_layers"]):
-    ours, hf_layer = ("decoder", f"layer_{i}"), f"{prefix}h.{i}"
-    attention = ours + ("self_attention",)
+    layer, hf_layer = Layer("decoder", i), f"{prefix}h.{i}"
+    attention = layer.attention()
     table += [
         Entry(attention + ("qkv", "kernel"), (f"{hf_layer}.attn.c_attn.weight",), "fused_in"),
         Entry(attention + ("qkv", "bias"), (f"{hf_layer}.attn.c_attn.bias",), "fused_bias"),
         Entry(attention + ("out", "kernel"), (f"{hf_layer}.attn.c_proj.weight",), "fused_out"),
         Entry(attention + ("out", "bias"), (f"{hf_layer}.attn.c_proj.bias",))]
-    table += norm_entries(ours + ("self_attention_block", "norm"), f"{hf_layer}.ln_1",
-                          bias=True)
+    table += norm_entries(layer.attention_norm(), f"{hf_layer}.ln_1", bias=True)
     for ours_name, hf_name in (("wi", "c_fc"), ("wo", "c_proj")):  # Conv1D: already [in, out]
-      table += [Entry(ours + ("ffn", ours_name, "kernel"), (f"{hf_layer}.mlp.{hf_name}.weight",)),
-                Entry(ours + ("ffn", ours_name, "bias"), (f"{hf_layer}.mlp.{hf_name}.bias",))]
-    table += norm_entries(ours + ("ffn_block", "norm"), f"{hf_layer}.ln_2", bias=True)
+      table += [Entry(layer.ffn(ours_name) + ("kernel",), (f"{hf_layer}.mlp.{hf_name}.weight",)),
+                Entry(layer.ffn(ours_name) + ("bias",), (f"{hf_layer}.mlp.{hf_name}.bias",))]
+    table += norm_entries(layer.ffn_norm(), f"{hf_layer}.ln_2", bias=True)
   table += norm_entries(("decoder", "final_norm"), f"{prefix}ln_f", bias=True)
   return table

@@ -1,9 +1,10 @@
-"""Weight-name tables between Hugging Face state dicts and this project's parameter trees
-(and `config_value`, the architectures' one reading of config.json values).
+"""Weight-name tables between Hugging Face state dicts and this project's parameter trees,
+and what every architecture module reads config.json with (`config_value`, `activation`).
 
-An architecture module (t5.py, bart.py, marian.py) lists its tensors once, as `Entry`s: our
-parameter path, the checkpoint's tensor name(s), and how one becomes the other. Import and
-export both read that table, so the two directions cannot drift apart.
+An architecture module (architecture.py says what one offers) lists its tensors once, as
+`Entry`s: our parameter path (`Layer` spells the paths inside a layer), the checkpoint's
+tensor name(s), and how one becomes the other. Import and export both read that table, so
+the two directions cannot drift apart.
 """
 
 from __future__ import annotations
@@ -18,10 +19,53 @@ import numpy as np
 from transformer_jax.pretrained import vocab as vocab_lib
 
 
+# Hugging Face activation names (transformers' ACT2FN keys) -> this project's ffn_activation.
+ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "gelu_new": "gelu_tanh",
+               "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "swish": "silu"}
+# The gated form (a GLU: the activation of one projection times another) of each.
+GATED = {"gelu": "geglu", "relu": "reglu", "gelu_tanh": "geglu_tanh", "silu": "swiglu"}
+
+
 def config_value(hf: dict, key: str, default):
   """config.json's value, or `default` where it is missing or null."""
   value = hf.get(key)
   return default if value is None else value
+
+
+def activation(hf: dict, key: str, default: str, *, name: str | None = None) -> str:
+  """Our ffn_activation for config.json's `key` (or the given HF `name`); ValueError naming
+  the supported ones otherwise."""
+  name = name or config_value(hf, key, default)
+  if name not in ACTIVATIONS:
+    raise ValueError(f"{key}={name!r} is not supported; supported: {sorted(ACTIVATIONS)}.")
+  return ACTIVATIONS[name]
+
+
+class Layer:
+  """Our parameter paths inside layer `index` of `stack` ('encoder' or 'decoder')."""
+
+  def __init__(self, stack: str, index: int):
+    self.path = (stack, f"layer_{index}")
+
+  def attention(self, kind: str = "self") -> tuple[str, ...]:
+    """'self' or 'cross' attention's projections."""
+    return self.path + (f"{kind}_attention",)
+
+  def attention_norm(self, kind: str = "self") -> tuple[str, ...]:
+    return self.path + (f"{kind}_attention_block", "norm")
+
+  def ffn(self, name: str) -> tuple[str, ...]:
+    """A feed-forward projection: 'wi', 'wi_gate' (gated FFNs) or 'wo'."""
+    return self.path + ("ffn", name)
+
+  def ffn_norm(self) -> tuple[str, ...]:
+    return self.path + ("ffn_block", "norm")
+
+
+def grouped(fields: dict) -> bool:
+  """Whether the model has fewer key/value heads than query heads (separate 'query' and 'kv'
+  projections in self-attention, as attention.py builds them)."""
+  return fields.get("num_kv_heads") not in (0, None, fields["num_heads"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +76,7 @@ class Entry:
     'copy'       the same array (norm scales and biases, relative-bias tables)
     'dense'      a torch Linear weight [out, in] -> our kernel [in, out]
     'heads_in'   Linear weights [h * d, emb] (one per part: q, k, v) -> [emb, parts, h, d]
+                 (h: the key/value heads where `kv`)
     'heads_bias' Linear biases [h * d] (one per part) -> [parts, h, d]
     'heads_out'  the output Linear weight [emb, h * d] -> [h, d, emb]
     'vocab_rows' an embedding [vocab, emb], rows renumbered (vocab.VocabMap)
@@ -46,6 +91,7 @@ class Entry:
   hf: tuple[str, ...]
   kind: str = "copy"
   offset: int = 0
+  kv: bool = False  # heads_in / heads_bias of keys and values: num_kv_heads heads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +100,16 @@ class Shapes:
   num_heads: int
   head_dim: int
   vocab: vocab_lib.VocabMap
+  num_kv_heads: int
+
+  @classmethod
+  def of(cls, fields: dict, vocab: vocab_lib.VocabMap) -> "Shapes":
+    """The shapes of a model with TransformerConfig `fields`."""
+    heads = fields["num_heads"]
+    return cls(heads, fields["qkv_dim"] // heads, vocab, fields.get("num_kv_heads") or heads)
+
+  def heads(self, entry: Entry) -> int:
+    return self.num_kv_heads if entry.kv else self.num_heads
 
 
 def transpose(matrix: np.ndarray, block: int = 64) -> np.ndarray:
@@ -74,13 +130,13 @@ def to_ours(entry: Entry, arrays: list[np.ndarray], s: Shapes) -> np.ndarray:
   if k == "dense":
     return transpose(arrays[0])
   if k == "heads_in":
-    emb = arrays[0].shape[1]
-    fused = np.empty((emb, len(arrays), s.num_heads, s.head_dim), arrays[0].dtype)
+    emb, heads = arrays[0].shape[1], s.heads(entry)
+    fused = np.empty((emb, len(arrays), heads, s.head_dim), arrays[0].dtype)
     for i, w in enumerate(arrays):
-      fused[:, i] = transpose(w).reshape(emb, s.num_heads, s.head_dim)
+      fused[:, i] = transpose(w).reshape(emb, heads, s.head_dim)
     return fused
   if k == "heads_bias":
-    return np.stack([b.reshape(s.num_heads, s.head_dim) for b in arrays], axis=0)
+    return np.stack([b.reshape(s.heads(entry), s.head_dim) for b in arrays], axis=0)
   if k == "heads_out":
     return transpose(arrays[0]).reshape(s.num_heads, s.head_dim, arrays[0].shape[0])
   if k == "vocab_rows":
@@ -133,21 +189,25 @@ def to_hf(entry: Entry, value: np.ndarray, s: Shapes) -> list[np.ndarray]:
 
 
 def attention_entries(ours: tuple[str, ...], hf: str, names: dict[str, str], *,
-                      self_attention: bool, bias: bool) -> list[Entry]:
-  """One attention layer: q/k/v fused as ours are ('qkv' in self-attention, 'query' + 'kv' in
-  cross-attention), then the output projection. `names` gives the checkpoint's q, k, v, o
-  module names under `hf`."""
+                      self_attention: bool, bias: bool, grouped_heads: bool = False,
+                      out_bias: bool | None = None) -> list[Entry]:
+  """One attention layer: q/k/v fused as ours are ('qkv' in self-attention; 'query' + 'kv' in
+  cross-attention and with `grouped_heads`, see `grouped`), then the output projection.
+  `names` gives the checkpoint's q, k, v, o module names under `hf`; `bias`: q/k/v biases,
+  `out_bias` (default `bias`): the output projection's."""
   q, k, v, o = (f"{hf}.{names[part]}" for part in ("q", "k", "v", "o"))
-  groups = [("qkv", (q, k, v))] if self_attention else [("query", (q,)), ("kv", (k, v))]
+  groups = ([("qkv", (q, k, v))] if self_attention and not grouped_heads
+            else [("query", (q,)), ("kv", (k, v))])
   entries = []
   for name, parts in groups:
+    kv = name == "kv"
     entries.append(Entry(ours + (name, "kernel"), tuple(f"{p}.weight" for p in parts),
-                         "heads_in"))
+                         "heads_in", kv=kv))
     if bias:
       entries.append(Entry(ours + (name, "bias"), tuple(f"{p}.bias" for p in parts),
-                           "heads_bias"))
+                           "heads_bias", kv=kv))
   entries.append(Entry(ours + ("out", "kernel"), (f"{o}.weight",), "heads_out"))
-  if bias:
+  if bias if out_bias is None else out_bias:
     entries.append(Entry(ours + ("out", "bias"), (f"{o}.bias",)))
   return entries
 

@@ -8,17 +8,14 @@ for both sides. Ids: pad 0 = decoder start, eos 1 (this project's own convention
 
 from __future__ import annotations
 
-from transformer_jax.pretrained.mapping import (Entry, attention_entries, config_value,
-                                               dense_entries, norm_entries)
+from transformer_jax.pretrained.mapping import (ACTIVATIONS, GATED, Entry, Layer,
+                                               attention_entries, config_value, dense_entries,
+                                               norm_entries)
 
 MODEL_TYPES = ("t5", "mt5", "umt5")
 FAMILY = "encoder_decoder"
 EMBEDDING_TENSOR, OUTPUT_TENSOR = "shared.weight", "lm_head.weight"
 _ATTENTION = dict(q="q", k="k", v="v", o="o")
-# feed_forward_proj's activation (HF ACT2FN names) -> ours, plain and gated.
-_ACTIVATIONS = {"relu": ("relu", "reglu"), "gelu": ("gelu", "geglu"),
-                "gelu_new": ("gelu_tanh", "geglu_tanh"), "silu": ("silu", "swiglu"),
-                "swish": ("silu", "swiglu")}
 
 
 def _activation(hf: dict) -> str:
@@ -27,10 +24,10 @@ def _activation(hf: dict) -> str:
   name = proj.removeprefix("gated-")
   if gated and name == "gelu":
     name = "gelu_new"  # transformers' own rule: "gated-gelu" is the tanh approximation
-  if name not in _ACTIVATIONS:
+  if name not in ACTIVATIONS:
     raise ValueError(f"feed_forward_proj={proj!r} is not supported; supported: "
-                     f"{sorted(_ACTIVATIONS)} and their 'gated-' forms.")
-  return _ACTIVATIONS[name][gated]
+                     f"{sorted(ACTIVATIONS)} and their 'gated-' forms.")
+  return GATED[ACTIVATIONS[name]] if gated else ACTIVATIONS[name]
 
 
 def _output_rescale(hf: dict) -> bool:
@@ -75,31 +72,30 @@ def weight_table(hf: dict, fields: dict, names=None) -> list[Entry]:
   """Every parameter of our EncoderDecoder and the checkpoint tensors it comes from (one
   layout whatever the checkpoint's tensor `names`)."""
   del names
-  gated = fields["ffn_activation"] in ("reglu", "geglu", "geglu_tanh", "swiglu")
+  gated = fields["ffn_activation"] in GATED.values()
   per_layer = fields["relative_bias_per_layer"]
   table = [Entry(("shared_embedding", "embedding", "embedding"), ("shared.weight",),
                  "vocab_rows")]
   for stack, num_layers in (("encoder", fields["num_layers"]),
                             ("decoder", fields["num_decoder_layers"])):
     for i in range(num_layers):
-      ours, hf_block = (stack, f"layer_{i}"), f"{stack}.block.{i}.layer"
-      blocks = [("self_attention", "SelfAttention")]
+      layer, hf_block = Layer(stack, i), f"{stack}.block.{i}.layer"
+      blocks = [("self", "SelfAttention")]
       if stack == "decoder":
-        blocks.append(("cross_attention", "EncDecAttention"))
-      for j, (name, hf_name) in enumerate(blocks):
-        table += attention_entries(ours + (name,), f"{hf_block}.{j}.{hf_name}",
-                                   _ATTENTION, self_attention=name == "self_attention",
-                                   bias=False)
-        table += norm_entries(ours + (f"{name}_block", "norm"), f"{hf_block}.{j}.layer_norm",
+        blocks.append(("cross", "EncDecAttention"))
+      for j, (kind, hf_name) in enumerate(blocks):
+        table += attention_entries(layer.attention(kind), f"{hf_block}.{j}.{hf_name}",
+                                   _ATTENTION, self_attention=kind == "self", bias=False)
+        table += norm_entries(layer.attention_norm(kind), f"{hf_block}.{j}.layer_norm",
                               bias=False)
-      ffn, hf_ffn = ours + ("ffn",), f"{hf_block}.{len(blocks)}.DenseReluDense"
+      hf_ffn = f"{hf_block}.{len(blocks)}.DenseReluDense"
       if gated:
-        table += dense_entries(ffn + ("wi_gate",), f"{hf_ffn}.wi_0", bias=False)
-        table += dense_entries(ffn + ("wi",), f"{hf_ffn}.wi_1", bias=False)
+        table += dense_entries(layer.ffn("wi_gate"), f"{hf_ffn}.wi_0", bias=False)
+        table += dense_entries(layer.ffn("wi"), f"{hf_ffn}.wi_1", bias=False)
       else:
-        table += dense_entries(ffn + ("wi",), f"{hf_ffn}.wi", bias=False)
-      table += dense_entries(ffn + ("wo",), f"{hf_ffn}.wo", bias=False)
-      table += norm_entries(ours + ("ffn_block", "norm"), f"{hf_block}.{len(blocks)}.layer_norm",
+        table += dense_entries(layer.ffn("wi"), f"{hf_ffn}.wi", bias=False)
+      table += dense_entries(layer.ffn("wo"), f"{hf_ffn}.wo", bias=False)
+      table += norm_entries(layer.ffn_norm(), f"{hf_block}.{len(blocks)}.layer_norm",
                             bias=False)
       if i == 0 or per_layer:
         table.append(Entry((stack, f"relative_bias_{i}" if per_layer else "relative_bias",
