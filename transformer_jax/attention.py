@@ -286,12 +286,7 @@ class MultiHeadAttention(nn.Module):
     if self.rope_base is not None:
       if not self_attention:
         raise ValueError("Rotary position embeddings are for self-attention only.")
-      if positions is None:
-        if decode:
-          raise ValueError("Decoding with rotary embeddings needs the new tokens' positions.")
-        positions = jnp.arange(query.shape[1])[None, :]
-      query = layers.rotary_embedding(query, positions, self.rope_base)
-      key = layers.rotary_embedding(key, positions, self.rope_base)
+      query, key = self._rotate(query, key, positions, decode)
 
     # Under the jit layout: heads split over the tensor axis, rows over data x fsdp (a no-op
     # without logical axis rules, as under pmap).
@@ -307,9 +302,8 @@ class MultiHeadAttention(nn.Module):
     if copies > 1:
       query = query.reshape(key.shape[0], copies * num_queries, *query.shape[2:])
 
-    dropout_rng = None
-    if not deterministic and self.dropout_rate > 0.0:
-      dropout_rng = self.make_rng("dropout")
+    dropout_rng = (self.make_rng("dropout") if not deterministic and self.dropout_rate > 0.0
+                   else None)
     capture = self.is_mutable_collection("intermediates")
     scale = None if self.scale_scores else 1.0
     if self.score == "dot_product" and self.implementation != "reference" and not (
@@ -334,6 +328,17 @@ class MultiHeadAttention(nn.Module):
         kernel_init=_partitioned(self.kernel_init, ("heads", "kv", "embed")),
         bias_init=_partitioned(nn.initializers.zeros_init(), ("embed",)),
         name="out")(out)  # [b, q, emb]
+
+  def _rotate(self, query: Array, key: Array, positions: Array | None,
+              decode: bool) -> tuple[Array, Array]:
+    """Queries and keys rotated by their positions (rotary embeddings; `positions` None: 0,
+    1, ... over the queries)."""
+    if positions is None:
+      if decode:
+        raise ValueError("Decoding with rotary embeddings needs the new tokens' positions.")
+      positions = jnp.arange(query.shape[1])[None, :]
+    return (layers.rotary_embedding(query, positions, self.rope_base),
+            layers.rotary_embedding(key, positions, self.rope_base))
 
   def _scores(self, query: Array, key: Array, head_dim: int) -> Array:
     """[b, h, q, k] float32 scores of every query against every key (Luong / Bahdanau)."""

@@ -46,9 +46,10 @@ def whole_data_state(state: dict) -> dict:
 
 
 def save(manager, layout, step: int, state: train_state.TrainState, data_state: dict,
-         sums) -> None:
+         sums, best: BestCheckpoint | None = None, *, wait: bool = False) -> None:
   """Starts writing the checkpoint of `step` in the background, once the steps since the
-  last log line (`sums`) are known to be finite."""
+  last log line (`sums`) are known to be finite; with `wait` (the run stops), waits for it
+  and for the best checkpoint's saves."""
   if sums is not None:  # else checked at this step's log line
     check_finite(layout.host_sums(sums), step, manager)
   start = time.time()
@@ -56,6 +57,8 @@ def save(manager, layout, step: int, state: train_state.TrainState, data_state: 
   checkpoints.save(manager, step, saved.params, saved.opt_state, whole_data_state(data_state))
   logging.info("Saved checkpoint %d (%.1f s; written in the background) in %s.", step,
                time.time() - start, manager.directory)
+  if wait:
+    wait_for_saves(manager, best)
 
 
 def restore(config: ml_collections.ConfigDict, workdir: str, manager,
@@ -95,17 +98,26 @@ def _model_changes(workdir: str, config: ml_collections.ConfigDict) -> str:
 
 class BestCheckpoint:
   """The parameters of the best evaluation by `config.checkpoint_best_metric`, in their own
-  folder; `record` ({metric, value, step}, None before the first) is kept across resumes."""
+  folder; `record` ({metric, value, step}, None before the first) is kept across resumes.
+  Also counts the evaluations since the last best, for `config.early_stopping_evals` (within
+  this run: a resumed run counts again from 0)."""
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str, layout):
     self.metric, self._mode, self._layout = (config.checkpoint_best_metric,
                                              config.checkpoint_best_mode, layout)
+    self._patience, self.evals_without_best = config.early_stopping_evals, 0
     self.manager = checkpoints.manager(workdir, 1, folder=checkpoints.BEST_DIR)
     self.record = checkpoints.best_record(self.manager)
     if self.record and self.record["metric"] != self.metric:
       raise ValueError(f"{self.manager.directory} keeps the best {self.record['metric']!r}, "
                        f"not config.checkpoint_best_metric={self.metric!r}; move that folder "
                        "away or keep the metric.")
+
+  @classmethod
+  def of(cls, config: ml_collections.ConfigDict, workdir: str, layout
+         ) -> "BestCheckpoint | None":
+    """The config's best checkpoint; None without `config.checkpoint_best_metric`."""
+    return cls(config, workdir, layout) if config.checkpoint_best_metric else None
 
   def keep_if_best(self, step: int, result: dict, state: train_state.TrainState) -> bool:
     """Saves the parameters if `result` is the best evaluation yet; True if it is."""
@@ -121,6 +133,16 @@ class BestCheckpoint:
                  step, self.manager.directory)
     return True
 
+  def observe(self, step: int, result: dict, state: train_state.TrainState) -> bool:
+    """Keeps `state` if `result` is the best yet; True when training should stop early."""
+    self.evals_without_best = (0 if self.keep_if_best(step, result, state)
+                               else self.evals_without_best + 1)
+    if 0 < self._patience <= self.evals_without_best:
+      logging.info("Early stopping at step %d: %d evaluations without a better %s.", step,
+                   self.evals_without_best, self.metric)
+      return True
+    return False
+
 
 def _improved(value: float, best: dict | None, mode: str) -> bool:
   if not math.isfinite(value):
@@ -134,3 +156,13 @@ def wait_for_saves(manager, best: BestCheckpoint | None) -> None:
   checkpoints.wait_for_saves(manager)
   if best:
     checkpoints.wait_for_saves(best.manager)
+
+
+def close(manager, best: BestCheckpoint | None) -> int | None:
+  """Waits for the saves in flight, closes the managers; returns the newest step saved."""
+  wait_for_saves(manager, best)
+  if best:
+    best.manager.close()
+  final_step = manager.latest_step()
+  manager.close()
+  return final_step

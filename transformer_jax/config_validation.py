@@ -143,6 +143,13 @@ def problems(config: ml_collections.ConfigDict, device_count: int | None = None)
 
 def _cross_key_problems(config: ml_collections.ConfigDict,
                         device_count: int | None) -> list[str]:
+  return (_model_problems(config) + _data_problems(config) + _decoding_problems(config)
+          + _run_record_problems(config) + _rule_problems(config.parallel.logical_axis_rules)
+          + _device_problems(config, device_count))
+
+
+def _model_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """The model keys that do not fit each other (or the family)."""
   found = []
   m = config.model
   if m.qkv_dim % m.num_heads:
@@ -180,6 +187,17 @@ def _cross_key_problems(config: ml_collections.ConfigDict,
   if m.get("prefix_lm") and families.name(config) != "decoder_only":
     found.append("config.model.prefix_lm=True is for config.architecture='decoder_only' (an "
                  "encoder already reads the source both ways)")
+  longest = families.longest_sequence(config)
+  if longest > m.max_len:
+    found.append(f"config.model.max_len={m.max_len} is shorter than the longest sequence "
+                 f"the model sees ({longest} tokens from max_source_length / "
+                 "max_target_length); raise max_len or lower those")
+  return found
+
+
+def _data_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """The data keys that do not fit each other (or the task)."""
+  found = []
   if config.eval_split not in config.splits:
     found.append(f"config.eval_split={config.eval_split!r} is not a key of config.splits "
                  f"({', '.join(config.splits)})")
@@ -193,31 +211,37 @@ def _cross_key_problems(config: ml_collections.ConfigDict,
     found.append("config.task='multitask' needs config.mixture (see configs/multitask.py)")
   # A Hugging Face dataset's ClassLabel column names its classes itself (checked on opening).
   if (config.task == "classification" and config.dataset != "huggingface"
-      and len(config.label_names) != m.num_classes):
+      and len(config.label_names) != config.model.num_classes):
     found.append(f"config.label_names has {len(config.label_names)} names but "
-                 f"config.model.num_classes={m.num_classes}")
-  longest = families.longest_sequence(config)
-  if longest > m.max_len:
-    found.append(f"config.model.max_len={m.max_len} is shorter than the longest sequence "
-                 f"the model sees ({longest} tokens from max_source_length / "
-                 "max_target_length); raise max_len or lower those")
-  if families.generates_text(config):
-    d = config.decoding
-    if d.max_decode_len > m.max_len:
-      found.append(f"config.decoding.max_decode_len={d.max_decode_len} is longer "
-                   f"than config.model.max_len={m.max_len}")
-    if d.min_length and d.max_decode_len and d.min_length >= d.max_decode_len:
-      found.append(f"config.decoding.min_length={d.min_length} leaves no room for EOS in "
-                   f"config.decoding.max_decode_len={d.max_decode_len} tokens; lower it")
-    past_vocab = [i for i in d.banned_ids if i >= m.vocab_size]
-    if past_vocab:
-      found.append(f"config.decoding.banned_ids {past_vocab} are not below "
-                   f"config.model.vocab_size={m.vocab_size}")
-    if d.forced_bos_id >= m.vocab_size:
-      found.append(f"config.decoding.forced_bos_id={d.forced_bos_id} is not below "
-                   f"config.model.vocab_size={m.vocab_size}")
-  found += _run_record_problems(config)
-  found += _rule_problems(config.parallel.logical_axis_rules)
+                 f"config.model.num_classes={config.model.num_classes}")
+  return found
+
+
+def _decoding_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """config.decoding against the model it decodes (only where the model generates text)."""
+  found = []
+  if not families.generates_text(config):
+    return found
+  m, d = config.model, config.decoding
+  if d.max_decode_len > m.max_len:
+    found.append(f"config.decoding.max_decode_len={d.max_decode_len} is longer "
+                 f"than config.model.max_len={m.max_len}")
+  if d.min_length and d.max_decode_len and d.min_length >= d.max_decode_len:
+    found.append(f"config.decoding.min_length={d.min_length} leaves no room for EOS in "
+                 f"config.decoding.max_decode_len={d.max_decode_len} tokens; lower it")
+  past_vocab = [i for i in d.banned_ids if i >= m.vocab_size]
+  if past_vocab:
+    found.append(f"config.decoding.banned_ids {past_vocab} are not below "
+                 f"config.model.vocab_size={m.vocab_size}")
+  if d.forced_bos_id >= m.vocab_size:
+    found.append(f"config.decoding.forced_bos_id={d.forced_bos_id} is not below "
+                 f"config.model.vocab_size={m.vocab_size}")
+  return found
+
+
+def _device_problems(config: ml_collections.ConfigDict, device_count: int | None) -> list[str]:
+  """The mesh and the data shards against the devices (when their count is known)."""
+  found = []
   if config.parallel.mode == "jit" and device_count is not None:
     sizes = [config.parallel.data, config.parallel.fsdp, config.parallel.tensor]
     fixed = [s for s in sizes if s != -1]

@@ -18,6 +18,20 @@ Shared options:
     from `step` on). Log-probabilities and scores are those of the processed logits. See
     the processors below and `make_logits_processor`, which chains them in Hugging Face's
     order, so that the forced BOS / EOS win over everything else.
+
+Beam search keeps live and finished hypotheses apart (as t5x does). Per example there are up
+to `beam_size` live hypotheses (no EOS yet) and the `beam_size` best finished ones (ended by
+EOS), scored log-probability / length_penalty(length, alpha, kind), the length counting EOS
+(and the decoder prompt). Each step extends every live hypothesis by every token and keeps the
+2 * beam_size best extensions by log-probability: those ending in EOS compete for the finished
+slots, the best beam_size others stay live. (With only beam_size, hypotheses that end would
+take the places of live ones, and a better hypothesis found late could be lost.) A hypothesis
+has at most `max_decode_len` tokens, EOS included; one that reaches it without EOS has not
+finished. The search stops at that length, or earlier once every example has beam_size
+finished hypotheses and no live one can still beat the worst of them (log-probs only fall, so
+the bound is its log-prob over the most favourable length penalty). An example with fewer than
+beam_size finished hypotheses gets the best live ones (max_decode_len tokens, no EOS, scored
+the same way) in the slots after its finished ones.
 """
 
 from __future__ import annotations
@@ -395,23 +409,8 @@ def beam_search(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, *,
                 decoder_prompt: Array | None = None,
                 logits_processor: LogitsProcessor | None = None,
                 length_penalty_kind: str = "gnmt") -> tuple[Array, Array]:
-  """Beam search with a length penalty, keeping live and finished hypotheses apart (as t5x
-  does).
-
-  Per example there are up to `beam_size` live hypotheses (no EOS yet) and the `beam_size`
-  best finished ones (ended by EOS), scored log-probability / length_penalty(length, alpha,
-  length_penalty_kind), the length counting EOS (and the decoder prompt). Each step extends
-  every live hypothesis by every token and keeps the 2 * beam_size best extensions by
-  log-probability: those ending in EOS compete for the finished slots, the best beam_size
-  others stay live. (With only beam_size, hypotheses that end would take the places of live
-  ones, and a better hypothesis found late could be lost.)
-
-  A hypothesis has at most `max_decode_len` tokens, EOS included; one that reaches it without
-  EOS has not finished. The search stops at that length, or earlier once every example has
-  beam_size finished hypotheses and no live one can still beat the worst of them (log-probs
-  only fall, so the bound is its log-prob over the most favourable length penalty). An example
-  with fewer than beam_size finished hypotheses gets the best live ones (max_decode_len tokens,
-  no EOS, scored the same way) in the slots after its finished ones.
+  """Beam search with a length penalty, live and finished hypotheses apart (the module
+  docstring says how).
 
   Args:
     inputs: [batch, src_len] source tokens; give the batch size and the default length.
@@ -440,22 +439,8 @@ def beam_search(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, *,
   _check("max_decode_len", max_decode_len, lambda v: v >= 1, ">= 1")
   k, length = beam_size, max_decode_len
   forced = _forced_tokens(decoder_prompt, 1, length)  # [batch, length] or None
-  # Sequences keep the bos at position 0; the output drops it.
-  live_seqs = jnp.zeros((batch_size, k, length + 1), jnp.int32).at[:, :, 0].set(bos_id)
-  # Only the first beam is alive at the start, so the first step does not pick k copies.
-  live_logprobs = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (batch_size, 1))
-  state = (jnp.array(0), live_seqs, live_logprobs, jnp.zeros_like(live_seqs),
-           jnp.full((batch_size, k), NEG_INF, jnp.float32), expand_cache(cache, k))
-
-  def cond(state):
-    step, _, live_logprobs, _, finished_scores, _ = state
-    best_live = live_logprobs[:, 0]  # [batch]: live beams are sorted, best first
-    # A live hypothesis ends with a length in (step, max_decode_len] and a lower log-prob.
-    bound = jnp.maximum(best_live / penalty(step + 1), best_live / penalty(length))
-    worst_finished = finished_scores[:, -1]  # NEG_INF while a slot is free
-    done = ((worst_finished > NEG_INF / 2) & (worst_finished > bound)) | (
-        best_live <= NEG_INF / 2)
-    return (step < length) & ~jnp.all(done)
+  state = _initial_beams(batch_size, k, length, bos_id, cache)
+  cond = lambda state: _still_searching(state, penalty, length)
 
   def body(state):
     step, live_seqs, live_logprobs, finished_seqs, finished_scores, cache = state
@@ -466,12 +451,7 @@ def beam_search(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, *,
       logits = logits_processor(logits, step, live_seqs[:, :, 1:].reshape(batch_size * k, -1))
     vocab = logits.shape[-1]
     log_probs = jax.nn.log_softmax(logits).reshape(batch_size, k, vocab)
-    is_forced = jnp.zeros((batch_size,), jnp.bool_)
-    if forced is not None:  # a forced token costs nothing; every other token is impossible
-      forced_token = jax.lax.dynamic_index_in_dim(forced, step, axis=1, keepdims=False)
-      is_forced = forced_token != 0  # [batch]
-      only_forced = jnp.where(jnp.arange(vocab) == forced_token[:, None], 0.0, NEG_INF)
-      log_probs = jnp.where(is_forced[:, None, None], only_forced[:, None, :], log_probs)
+    log_probs, is_forced = _force_prompt(log_probs, forced, step)
 
     candidates = (live_logprobs[:, :, None] + log_probs).reshape(batch_size, k * vocab)
     top_logprobs, top_indices = jax.lax.top_k(candidates, 2 * k)  # [batch, 2k], best first
@@ -494,15 +474,59 @@ def beam_search(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, *,
 
   _, live_seqs, live_logprobs, finished_seqs, finished_scores, _ = jax.lax.while_loop(
       cond, body, state)
-  # Free finished slots take the live hypotheses, best first. (Live ones are left only when
-  # the loop ran to max_decode_len: an early stop needs every slot taken or nothing live.)
+  sequences, scores = _fill_with_live(live_seqs, live_logprobs, penalty(length),
+                                      finished_seqs, finished_scores)
+  return sequences[:, :, 1:], scores
+
+
+def _initial_beams(batch_size: int, k: int, length: int, bos_id: int, cache: Any) -> tuple:
+  """Beam search's loop state at step 0: (step, live sequences [batch, k, length + 1] (the
+  bos at position 0, which the output drops), their log-probs, finished sequences, their
+  scores, the cache expanded to k beams)."""
+  live_seqs = jnp.zeros((batch_size, k, length + 1), jnp.int32).at[:, :, 0].set(bos_id)
+  # Only the first beam is alive at the start, so the first step does not pick k copies.
+  live_logprobs = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (batch_size, 1))
+  return (jnp.array(0), live_seqs, live_logprobs, jnp.zeros_like(live_seqs),
+          jnp.full((batch_size, k), NEG_INF, jnp.float32), expand_cache(cache, k))
+
+
+def _still_searching(state: tuple, penalty: Callable[[Array], Array], length: int) -> Array:
+  """Whether beam search goes on: below `length`, and some example may still improve."""
+  step, _, live_logprobs, _, finished_scores, _ = state
+  best_live = live_logprobs[:, 0]  # [batch]: live beams are sorted, best first
+  # A live hypothesis ends with a length in (step, max_decode_len] and a lower log-prob.
+  bound = jnp.maximum(best_live / penalty(step + 1), best_live / penalty(length))
+  worst_finished = finished_scores[:, -1]  # NEG_INF while a slot is free
+  done = ((worst_finished > NEG_INF / 2) & (worst_finished > bound)) | (
+      best_live <= NEG_INF / 2)
+  return (step < length) & ~jnp.all(done)
+
+
+def _force_prompt(log_probs: Array, forced: Array | None, step: Array) -> tuple[Array, Array]:
+  """[batch, k, vocab] log-probs where a row's decoder prompt forces the token at `step`: 0
+  for it (a forced token costs nothing), impossible for every other; and which rows are
+  forced [batch]."""
+  if forced is None:
+    return log_probs, jnp.zeros(log_probs.shape[:1], jnp.bool_)
+  forced_token = jax.lax.dynamic_index_in_dim(forced, step, axis=1, keepdims=False)
+  is_forced = forced_token != 0  # [batch]
+  vocab = log_probs.shape[-1]
+  only_forced = jnp.where(jnp.arange(vocab) == forced_token[:, None], 0.0, NEG_INF)
+  return jnp.where(is_forced[:, None, None], only_forced[:, None, :], log_probs), is_forced
+
+
+def _fill_with_live(live_seqs: Array, live_logprobs: Array, live_penalty: Array,
+                    finished_seqs: Array, finished_scores: Array) -> tuple[Array, Array]:
+  """The finished hypotheses, best first, then the live ones (scored log-prob /
+  `live_penalty`) in the free slots; slots never filled are zeros scoring NEG_INF. (Live
+  ones are left only when the loop ran to max_decode_len: an early stop needs every slot
+  taken or nothing live.)"""
+  k = finished_scores.shape[1]
   num_finished = jnp.sum(finished_scores > NEG_INF / 2, axis=1)  # [batch]
   live_index = jnp.arange(k)[None, :] - num_finished[:, None]  # [batch, k]; < 0: finished
   take = jnp.clip(live_index, 0, k - 1)
-  live_scores = jnp.where(live_logprobs > NEG_INF / 2,
-                          live_logprobs / penalty(length), NEG_INF)
+  live_scores = jnp.where(live_logprobs > NEG_INF / 2, live_logprobs / live_penalty, NEG_INF)
   use_live = live_index >= 0
   sequences = jnp.where(use_live[:, :, None], _gather_beams(live_seqs, take), finished_seqs)
   scores = jnp.where(use_live, jnp.take_along_axis(live_scores, take, axis=1), finished_scores)
-  sequences = jnp.where(scores[:, :, None] > NEG_INF / 2, sequences, 0)
-  return sequences[:, :, 1:], scores
+  return jnp.where(scores[:, :, None] > NEG_INF / 2, sequences, 0), scores

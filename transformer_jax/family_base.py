@@ -16,7 +16,6 @@ from transformer_jax import generate
 from transformer_jax import model_schema
 from transformer_jax import parallel
 from transformer_jax import tokenizer as tokenizer_lib
-from transformer_jax.data import pipeline
 
 Array = jax.Array
 
@@ -95,9 +94,10 @@ class Family(abc.ABC):
     """The examples' labels as the batches carry them (None: the family has none)."""
     return None
 
-  def prompts(self, encoded: pipeline.Encoded) -> list[np.ndarray]:
-    """What generation starts from, per example: the encoder input (decoder-only: the
-    `SOURCE <eos>` part)."""
+  def prompts(self, encoded) -> list[np.ndarray]:
+    """What generation starts from, per example of `encoded` (data/pipeline.py's Encoded:
+    not imported, as the data layer sits above the families): the encoder input
+    (decoder-only: the `SOURCE <eos>` part)."""
     return encoded.features["inputs"]
 
   # ---- Generation -------------------------------------------------------------------------

@@ -21,7 +21,15 @@ from transformer_jax import families
 from transformer_jax import flops
 from transformer_jax import metrics
 from transformer_jax import saved_config
+from transformer_jax import summary_writer
 from transformer_jax import tokenizer as tokenizer_lib
+
+
+def writers(workdir: str, is_chief: bool) -> tuple:
+  """The TensorBoard writers of runs `train` and `eval`: the same tag names (loss, accuracy,
+  ...) in both, so that the train and eval curves of a metric overlay in one chart."""
+  return tuple(summary_writer.create_writer(os.path.join(workdir, run), is_chief)
+               for run in ("train", "eval"))
 
 
 def describe_run(config: ml_collections.ConfigDict, family: families.Family,

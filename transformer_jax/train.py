@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import time
 
 import jax
@@ -28,7 +27,6 @@ from transformer_jax import parallel
 from transformer_jax import preemption
 from transformer_jax import run_lock
 from transformer_jax import run_record
-from transformer_jax import summary_writer
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax import workdir as workdir_lib
 from transformer_jax.data import pipeline
@@ -169,49 +167,33 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   # ---- Setup ----------------------------------------------------------------------------
   run_start = time.time()
   is_chief = jax.process_index() == 0
-  # Two TensorBoard runs with the same tag names (loss, accuracy, ...), so that the train and
-  # eval curves of a metric overlay in one chart.
-  train_writer = summary_writer.create_writer(os.path.join(workdir, "train"), is_chief)
-  eval_writer = summary_writer.create_writer(os.path.join(workdir, "eval"), is_chief)
+  train_writer, eval_writer = run_record.writers(workdir, is_chief)
   layout = parallel.make_layout(config)
   family = families.get(config)
-  # Each optimizer step sees grad_accum_steps micro-batches of per_device_batch_size per device.
-  global_batch_size = (config.per_device_batch_size * jax.device_count() *
-                       config.grad_accum_steps)
+  global_batch_size = _global_batch_size(config)
 
   # ---- Data -----------------------------------------------------------------------------
   tokenizer, train_batches, eval_data, eval_examples = _data(config, workdir, family,
                                                              global_batch_size)
 
-  # ---- Model and optimizer --------------------------------------------------------------
+  # ---- Model and optimizer: fresh, pretrained, or restored --------------------------------
   init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(config.seed))
-  state = _initial_state(config, family, layout, tokenizer, init_rng)
-
-  # ---- Restore --------------------------------------------------------------------------
   manager = checkpoints.manager(workdir, config.keep_checkpoints)
-  if config.pretrained and manager.latest_step() is None:
-    state = state.replace(params=_pretrained_params(config, family, layout, init_rng))
-  state = checkpoint_policy.restore(config, workdir, manager, state, train_batches)
-  if is_chief:  # after a successful restore: a mismatch keeps the old config
-    workdir_lib.save_config(workdir, config)
+  state = _starting_state(config, workdir, family, layout, tokenizer, init_rng, manager,
+                          train_batches)
   start_step = int(state.step)
-  best = (checkpoint_policy.BestCheckpoint(config, workdir, layout)
-          if config.checkpoint_best_metric else None)
+  best = checkpoint_policy.BestCheckpoint.of(config, workdir, layout)
 
-  # ---- TensorBoard: the config, and the peak the MFU is measured against ------------------
-  step_flops, peak_tflops = run_record.describe_run(config, family, global_batch_size,
-                                                    train_writer)
-
-  # ---- Compiled steps -------------------------------------------------------------------
+  # ---- Compiled steps; TensorBoard: the config, and the peak the MFU is measured against --
+  mfu_terms = run_record.describe_run(config, family, global_batch_size, train_writer)
   p_train_step = compile_train_step(config, family, layout)
-  run_eval = run_record.Evaluation(config, family, tokenizer, layout, eval_data, eval_examples,
-                         eval_writer)
+  run_eval = run_record.Evaluation(config, family, tokenizer, layout, eval_data,
+                                   eval_examples, eval_writer)
   state = layout.place_state(state)
 
   # ---- Training loop --------------------------------------------------------------------
-  result = {}
-  stopped_early = False
-  evals_without_best = 0  # counted within this run: a resumed run starts again from 0
+  result, stopped_early = {}, False
+  due = lambda done, every: done % every == 0 or done == config.num_train_steps
   profile = run_record.Profile(config, workdir, is_chief)
   data_state = train_batches.state  # the pipeline's position after the last batch trained on
   # Closed on every exit, an error included: that stops the prefetch thread.
@@ -219,7 +201,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
                                            config.prefetch_batches)) as batches, \
       preemption.PreemptionWatcher() as watcher:
     meter = run_record.TrainMeter(config, optimizer.learning_rate_schedule(config), layout,
-                                  train_writer, manager, step_flops, peak_tflops, start_step)
+                                  train_writer, manager, *mfu_terms, start_step)
     for step in range(start_step, config.num_train_steps):
       profile.start_at(step)
       batch, data_state = next(batches)
@@ -230,27 +212,21 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
       checkpoints.check_background_saves(manager)
       if step == start_step:
         meter.first_step_done(step_sums, done)
-      if done % config.log_every_steps == 0 or done == config.num_train_steps:
+      if due(done, config.log_every_steps):
         meter.log(done)
       pause_start = time.time()
       if watcher.should_stop(done):
         profile.stop()  # stopped inside the traced steps: keep what was traced
-        checkpoint_policy.save(manager, layout, done, state, data_state, meter.sums)
-        checkpoint_policy.wait_for_saves(manager, best)
+        checkpoint_policy.save(manager, layout, done, state, data_state, meter.sums, best,
+                               wait=True)
         logging.info("Stopped at step %d after saving its checkpoint.", done)
         return dict(result, preempted=True, step=done, checkpoint_dir=str(manager.directory))
-      if done % config.eval_every_steps == 0 or done == config.num_train_steps:
+      if due(done, config.eval_every_steps):
         result = run_eval(done, state)
-        if best:
-          evals_without_best = (0 if best.keep_if_best(done, result, state)
-                                else evals_without_best + 1)
-        stopped_early = 0 < config.early_stopping_evals <= evals_without_best
-      if (done % config.checkpoint_every_steps == 0 or done == config.num_train_steps
-          or stopped_early):
+        stopped_early = best is not None and best.observe(done, result, state)
+      if due(done, config.checkpoint_every_steps) or stopped_early:
         checkpoint_policy.save(manager, layout, done, state, data_state, meter.sums)
       if stopped_early:
-        logging.info("Early stopping at step %d: %d evaluations without a better %s.", done,
-                     evals_without_best, best.metric)
         break
       meter.exclude_since(pause_start)  # steps/s and tokens/s count training only
 
@@ -258,20 +234,20 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   if start_step >= config.num_train_steps:
     logging.info("Already trained to step %d.", start_step)
     result = run_eval(start_step, state)
-  checkpoint_policy.wait_for_saves(manager, best)
-  if best:
-    best.manager.close()
-  final_step = manager.latest_step()
-  manager.close()
-  train_writer.close()
-  eval_writer.close()
+  final_step = checkpoint_policy.close(manager, best)
+  for writer in (train_writer, eval_writer):
+    writer.close()
 
   # ---- Summary ---------------------------------------------------------------------------
   logging.info("\n  ".join(run_record.summary(workdir, run_start, final_step, stopped_early,
                                               result, best, manager)))
-  if best:
-    result = dict(result, best=best.record, stopped_early=stopped_early)
-  return result
+  return dict(result, best=best.record, stopped_early=stopped_early) if best else result
+
+
+def _global_batch_size(config: ml_collections.ConfigDict) -> int:
+  """Examples per optimizer step: grad_accum_steps micro-batches of per_device_batch_size
+  per device."""
+  return config.per_device_batch_size * jax.device_count() * config.grad_accum_steps
 
 
 def _data(config: ml_collections.ConfigDict, workdir: str, family: families.Family,
@@ -294,6 +270,22 @@ def _data(config: ml_collections.ConfigDict, workdir: str, family: families.Fami
                len(encoded["train"].held), encoded["train"].count, len(eval_data),
                config.eval_split, tokenizer.vocab_size, global_batch_size, jax.device_count())
   return tokenizer, train_batches, eval_data, eval_examples
+
+
+def _starting_state(config: ml_collections.ConfigDict, workdir: str, family: families.Family,
+                    layout, tokenizer: tokenizer_lib.Tokenizer, rng, manager,
+                    train_batches: pipeline.TrainBatches) -> train_state.TrainState:
+  """The state training starts from: the workdir's newest good checkpoint (and the data
+  position it saved), else the pretrained weights or a fresh initialisation from `rng`.
+  Saves the run's config in the workdir once a restore has succeeded (a mismatch keeps the
+  old one)."""
+  state = _initial_state(config, family, layout, tokenizer, rng)
+  if config.pretrained and manager.latest_step() is None:
+    state = state.replace(params=_pretrained_params(config, family, layout, rng))
+  state = checkpoint_policy.restore(config, workdir, manager, state, train_batches)
+  if jax.process_index() == 0:
+    workdir_lib.save_config(workdir, config)
+  return state
 
 
 def _initial_state(config: ml_collections.ConfigDict, family: families.Family, layout,
