@@ -201,6 +201,27 @@ def gpt2_tokenizer_files(folder: str, texts: list[str], vocab_size: int = 800) -
   return _reloaded(folder)
 
 
+def llama_tokenizer_files(folder: str, texts: list[str], vocab_size: int = 800) -> TokenizerFiles:
+  """Llama 3 style: one tokenizer.json of a byte-level BPE with `<|begin_of_text|>` (bos,
+  which the tokenizer puts before every text), `<|end_of_text|>` (eos) and `<|endoftext|>`
+  the last ids; no pad. (Qwen2's tokenizer class pads with its `<|endoftext|>`: a token of
+  the vocabulary, as in the Qwen checkpoints.)"""
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  bos, eos, qwen_pad = "<|begin_of_text|>", "<|end_of_text|>", "<|endoftext|>"
+  _byte_level_bpe(folder, texts, vocab_size - 3, [], [bos, eos, qwen_pad])
+  vocab, merges = (os.path.join(folder, name) for name in ("vocab.json", "merges.txt"))
+  bpe = tokenizers.ByteLevelBPETokenizer(vocab, merges)
+  bpe.add_special_tokens([bos, eos, qwen_pad])
+  bpe.post_processor = tokenizers.processors.TemplateProcessing(
+      single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bpe.token_to_id(bos))])
+  os.remove(vocab)
+  os.remove(merges)
+  transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=bos,
+                                       eos_token=eos).save_pretrained(folder)
+  return _reloaded(folder)
+
+
 def _byte_level_bpe(folder: str, texts: list[str], vocab_size: int, first: list[str],
                     last: list[str]) -> None:
   """vocab.json + merges.txt of a byte-level BPE with the `first` tokens at ids 0, 1, ... and
@@ -320,6 +341,14 @@ KINDS = {
                         labels=SENTIMENT_LABELS),
     # Pre-LN, tied output, 128 positions, `<|endoftext|>` the last id as bos and eos, no pad.
     "gpt2": Kind("gpt2", DECODER_ONLY, "gpt2", "gpt2"),
+    # Llama 3: 2 key/value heads for 4 query heads, a head dimension (16) that is not hidden /
+    # heads, llama3 RoPE scaling past a 16-token original context, biases on q/k/v/o, its own
+    # lm_head; bos <|begin_of_text|> added by the tokenizer, eos <|end_of_text|>, no pad.
+    "llama": Kind("llama", DECODER_ONLY, "llama", "llama", untied=True),
+    # Mistral: multi-query (1 key/value head), a 32-token sliding window, tied output.
+    "mistral": Kind("mistral", DECODER_ONLY, "llama", "llama"),
+    # Qwen2: biases on q/k/v only, 2 key/value heads, linear RoPE scaling, tied output.
+    "qwen2": Kind("qwen2", DECODER_ONLY, "llama", "llama"),
 }
 ALL_KINDS = tuple(KINDS)
 _of_family = lambda family: tuple(k for k, kind in KINDS.items() if kind.family == family)
@@ -363,6 +392,8 @@ _TOKENIZER_BUILDERS = {
              lambda folder, texts: xlmr_tokenizer_files(folder, texts, vocab_size=800)),
     "gpt2": (lambda en, de, vi: (en,),
              lambda folder, texts: gpt2_tokenizer_files(folder, texts, vocab_size=800)),
+    "llama": (lambda en, de, vi: (en + de,),
+              lambda folder, texts: llama_tokenizer_files(folder, texts, vocab_size=800)),
 }
 
 
@@ -547,12 +578,38 @@ def _encoder(kind: str, files: TokenizerFiles, generation: dict,
       eos_token_id=tokenizer.eos_token_id)
 
 
+def _llama(kind: str, files: TokenizerFiles, generation: dict, labels):
+  """Llama, Mistral, Qwen2: (model class, config), each with the quirks KINDS names."""
+  del generation, labels
+  import transformers  # pylint: disable=import-outside-toplevel
+  tokenizer = files.tokenizer
+  sizes = dict(vocab_size=files.vocab_size, hidden_size=32, intermediate_size=64,
+               num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
+               initializer_range=0.3, bos_token_id=tokenizer.bos_token_id,
+               eos_token_id=tokenizer.eos_token_id, pad_token_id=None, rms_norm_eps=1e-5)
+  if kind == "llama":
+    return transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        **sizes, num_key_value_heads=2, head_dim=16, attention_bias=True,
+        tie_word_embeddings=False, rope_parameters=dict(
+            rope_type="llama3", rope_theta=500000.0, factor=4.0, low_freq_factor=1.0,
+            high_freq_factor=4.0, original_max_position_embeddings=16))
+  if kind == "mistral":
+    return transformers.MistralForCausalLM, transformers.MistralConfig(
+        **sizes, num_key_value_heads=1, sliding_window=32, tie_word_embeddings=True)
+  return transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
+      **sizes, num_key_value_heads=2, tie_word_embeddings=True,
+      rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0))
+
+
 # Model builder -> (kind, tokenizer files, generation_config values, labels) -> (model class,
 # config); it may add generation values (Marian's banned pad).
 _MODEL_BUILDERS = {"t5": _t5, "bart": _bart, "marian": _marian, "bert": _encoder,
-                   "roberta": _encoder, "xlm-roberta": _encoder, "gpt2": _gpt2}
+                   "roberta": _encoder, "xlm-roberta": _encoder, "gpt2": _gpt2,
+                   "llama": _llama}
 
 
 def _is_norm(name: str) -> bool:
-  """Whether a parameter is a layer norm's: BERT's `LayerNorm`, GPT-2's `ln_1`, `ln_f`."""
-  return "layernorm" in name.lower() or ".ln_" in f".{name}"
+  """Whether a parameter is a layer norm's: BERT's `LayerNorm`, GPT-2's `ln_1`, `ln_f`,
+  Llama's `input_layernorm` and final `norm`."""
+  return ("layernorm" in name.lower() or ".ln_" in f".{name}"
+          or name.endswith("norm.weight"))

@@ -158,6 +158,47 @@ def test_gpt2_logits_and_greedy_continuations_equal_pytorch(folders):
     assert output == tokenizer.decode(ids[0, prompt.shape[1]:], skip_special_tokens=True)
 
 
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_llama_family_logits_and_greedy_continuations_equal_pytorch(kind, folders):
+  """Llama (GQA 2 of 4, head_dim 16 != 32 / 4, llama3 RoPE scaling past a 16-token context,
+  biases on q/k/v/o, untied), Mistral (multi-query, a sliding window: max_len) and Qwen2
+  (biases on q/k/v only, linear RoPE scaling), on right-padded rows."""
+  folder = folders(kind)
+  predictor = Predictor.from_pretrained(folder)
+  config = predictor.family.model_config
+  assert config.position_embedding == "rope" and config.num_kv_heads < config.num_heads
+  assert config.max_len == (32 if kind == "mistral" else 128)  # Mistral's sliding window
+  vocab = predictor.tokenizer.vocab_map
+  tokens = _rows(predictor, _texts(kind))
+  params = predictor.layout.checkpoint_state(predictor.device_params)
+  ours = np.asarray(predictor.family.model.apply({"params": params}, jnp.asarray(tokens),
+                                                 deterministic=True))
+  inputs = np.asarray(models.shift_right(jnp.asarray(tokens), config.bos_id))
+  model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+  with torch.no_grad():
+    theirs = model(input_ids=torch.tensor(vocab.hf(np.where(tokens != 0, inputs, 1))),
+                   attention_mask=torch.tensor(tokens != 0)).logits.numpy()
+  real = tokens != 0
+  np.testing.assert_allclose(ours[..., vocab.internal(np.arange(vocab.checkpoint_size))][real],
+                             theirs[real], atol=1e-4)
+  assert np.ptp(theirs[real]) > 1.0  # not vacuous: the logits spread far past the tolerance
+
+  # Greedy continuations of the decoder-only family's prompt, `<start> SOURCE <eos>` (the
+  # tokenizer's own bos inside SOURCE), batched here, one at a time in transformers.
+  tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+  room = predictor.config.max_source_length - 1  # Mistral's window leaves 16 tokens a prompt
+  texts = [t for t in _texts(kind, 40) if len(tokenizer(t)["input_ids"]) <= room][:4]
+  assert len(texts) == 4
+  outputs = predictor.predict(texts, method="greedy", max_decode_len=10)
+  start, eos = model.config.bos_token_id, tokenizer.eos_token_id
+  for text, output in zip(texts, outputs):
+    prompt = torch.tensor([[start] + tokenizer(text)["input_ids"] + [eos]])
+    with torch.no_grad():
+      ids = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                           num_beams=1, max_new_tokens=10, pad_token_id=eos)
+    assert output == tokenizer.decode(ids[0, prompt.shape[1]:], skip_special_tokens=True)
+
+
 def _write_sentiment(folder, num_classes: int = 2):
   """A tsv corpus where one word decides the label."""
   os.makedirs(folder, exist_ok=True)

@@ -232,7 +232,8 @@ class MultiHeadAttention(nn.Module):
   `prefix_fill` (decode mode) makes the call's new tokens see each other both ways: a
   prefix LM's prompt, filled in one call as its training reads the source part.
 
-  `use_bias` False drops the projections' biases and `scale_scores` False the 1/sqrt(d)
+  `use_bias` False drops the projections' biases (`qkv_bias` / `out_bias`, where set, decide
+  for the query/key/value and the output projections apart) and `scale_scores` False the 1/sqrt(d)
   factor (T5, which folds it into its query weights); a `bias` [b|1, h, q, k] passed to the
   call is added to the scores (T5's relative position bias).
   """
@@ -247,6 +248,9 @@ class MultiHeadAttention(nn.Module):
   scale_scores: bool = True
   num_kv_heads: int | None = None
   rope_base: float | None = None
+  rope_scaling: tuple = ("none",)  # layers.rope_frequencies
+  qkv_bias: bool | None = None  # None: use_bias
+  out_bias: bool | None = None  # None: use_bias
 
   @nn.compact
   def __call__(self, inputs_q: Array, inputs_kv: Array, mask: Array | None = None, *,
@@ -261,8 +265,9 @@ class MultiHeadAttention(nn.Module):
     # the tensor axis when they divide it and keeps them whole otherwise (multi-query).
     kv_axis = "heads" if group == 1 else "kv_heads"
     # Logical axis names of the parameters, mapped to mesh axes by the jit layout's rules.
+    qkv_bias = self.use_bias if self.qkv_bias is None else self.qkv_bias
     projection = lambda parts, heads, heads_axis, name: nn.DenseGeneral(
-        (parts, heads, head_dim), dtype=self.dtype, use_bias=self.use_bias,
+        (parts, heads, head_dim), dtype=self.dtype, use_bias=qkv_bias,
         kernel_init=_partitioned(self.kernel_init, ("embed", None, heads_axis, "kv")),
         bias_init=_partitioned(nn.initializers.zeros_init(), (None, heads_axis, "kv")),
         name=name)
@@ -324,7 +329,8 @@ class MultiHeadAttention(nn.Module):
     if copies > 1:
       out = out.reshape(rows, num_queries, *out.shape[2:])
     return nn.DenseGeneral(
-        inputs_q.shape[-1], axis=(-2, -1), dtype=self.dtype, use_bias=self.use_bias,
+        inputs_q.shape[-1], axis=(-2, -1), dtype=self.dtype,
+        use_bias=self.use_bias if self.out_bias is None else self.out_bias,
         kernel_init=_partitioned(self.kernel_init, ("heads", "kv", "embed")),
         bias_init=_partitioned(nn.initializers.zeros_init(), ("embed",)),
         name="out")(out)  # [b, q, emb]
@@ -337,8 +343,8 @@ class MultiHeadAttention(nn.Module):
       if decode:
         raise ValueError("Decoding with rotary embeddings needs the new tokens' positions.")
       positions = jnp.arange(query.shape[1])[None, :]
-    return (layers.rotary_embedding(query, positions, self.rope_base),
-            layers.rotary_embedding(key, positions, self.rope_base))
+    return (layers.rotary_embedding(query, positions, self.rope_base, self.rope_scaling),
+            layers.rotary_embedding(key, positions, self.rope_base, self.rope_scaling))
 
   def _scores(self, query: Array, key: Array, head_dim: int) -> Array:
     """[b, h, q, k] float32 scores of every query against every key (Luong / Bahdanau)."""

@@ -76,10 +76,22 @@ def _attention(c: TransformerConfig, name: str, score: str = "dot_product", *,
   rotary = self_attention and c.position_embedding == "rope"
   return attention.MultiHeadAttention(c.num_heads, c.qkv_dim, c.attention_dropout_rate, c.dtype,
                                       score, c.attention_implementation,
-                                      use_bias=c.use_bias,
+                                      use_bias=c.use_bias, qkv_bias=c.qkv_bias,
+                                      out_bias=c.out_bias,
                                       scale_scores=c.scale_attention_scores,
                                       num_kv_heads=c.num_kv_heads,
-                                      rope_base=c.position_base if rotary else None, name=name)
+                                      rope_base=c.position_base if rotary else None,
+                                      rope_scaling=rope_scaling(c), name=name)
+
+
+def rope_scaling(c: TransformerConfig) -> tuple:
+  """The config's RoPE frequency scaling as layers.rope_frequencies takes it."""
+  if c.rope_scaling == "none":
+    return ("none",)
+  if c.rope_scaling == "linear":
+    return ("linear", c.rope_scaling_factor)
+  return (c.rope_scaling, c.rope_scaling_factor, c.rope_low_freq_factor,
+          c.rope_high_freq_factor, c.rope_original_max_len)
 
 
 def _ffn(c: TransformerConfig):

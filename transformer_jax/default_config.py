@@ -117,7 +117,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   # Start from a pretrained Hugging Face checkpoint: a folder (config.json, model.safetensors,
   # tokenizer files) or a hub name such as 'google/flan-t5-small' (the model_types of
-  # pretrained/architecture.py: T5, BART, Marian, BERT, RoBERTa, GPT-2 and their kin). It
+  # pretrained/architecture.py: T5, BART, Marian, BERT, RoBERTa, GPT-2, Llama, Qwen2...). It
   # fixes config.model's architecture keys and the tokenizer (kept in WORKDIR/pretrained/);
   # dropout, dtype, lengths and everything else stay this config's. '' = train from random
   # weights.

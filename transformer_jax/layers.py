@@ -39,7 +39,33 @@ def sinusoidal_positions_halves(length: int, dim: int, base: float = 10000.0) ->
   return np.concatenate([table[:, 0::2], table[:, 1::2]], axis=1)
 
 
-def rotary_embedding(x: Array, positions: Array, base: float = 10000.0) -> Array:
+def rope_frequencies(dim: int, base: float = 10000.0, scaling: tuple = ("none",)) -> np.ndarray:
+  """RoPE's inverse frequencies [dim / 2] in float32: base^(-2i/dim), as Hugging Face computes
+  them (in float32), then scaled. `scaling`: ('none',), ('linear', factor): every frequency
+  / factor (positions stretched), or ('llama3', factor, low_freq_factor, high_freq_factor,
+  original_max_len): wavelengths longer than original_max_len / low_freq_factor divided by
+  factor, shorter than original_max_len / high_freq_factor kept, a linear blend between."""
+  inverse = (1.0 / (np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32)
+                                         / np.float32(dim)))).astype(np.float32)
+  kind = scaling[0]
+  if kind == "none":
+    return inverse
+  factor = np.float32(scaling[1])
+  if kind == "linear":
+    return (inverse / factor).astype(np.float32)
+  if kind != "llama3":
+    raise ValueError(f"Unknown rope scaling {kind!r}: use 'none', 'linear' or 'llama3'.")
+  low, high, original = (np.float32(v) for v in scaling[2:])
+  wavelength = np.float32(2 * np.pi) / inverse
+  scaled = np.where(wavelength > original / low, inverse / factor, inverse)
+  smooth = (original / wavelength - low) / (high - low)
+  blended = (1 - smooth) * scaled / factor + smooth * scaled
+  middle = ~(wavelength < original / high) & ~(wavelength > original / low)
+  return np.where(middle, blended, scaled).astype(np.float32)
+
+
+def rotary_embedding(x: Array, positions: Array, base: float = 10000.0,
+                     scaling: tuple = ("none",)) -> Array:
   """Rotary position embedding (RoPE; Su et al., 2021) of queries or keys.
 
   Each head's dimension pair (i, i + d/2) is rotated by the angle position * base^(-2i/d),
@@ -53,6 +79,7 @@ def rotary_embedding(x: Array, positions: Array, base: float = 10000.0) -> Array
     x: [b, len, h, d] queries or keys, d even.
     positions: [b|1, len] integer positions (packed rows restart them per segment).
     base: the frequencies' base (theta; 10000 in the paper and LLaMA).
+    scaling: see `rope_frequencies`.
 
   Returns:
     [b, len, h, d] in `x.dtype`; angles and rotation are computed in float32.
@@ -61,8 +88,7 @@ def rotary_embedding(x: Array, positions: Array, base: float = 10000.0) -> Array
   if dim % 2:
     raise ValueError(f"Rotary embeddings need an even head dimension, not {dim}.")
   half = dim // 2
-  inverse_frequencies = jnp.asarray(
-      base ** (-np.arange(half, dtype=np.float64) / half), jnp.float32)  # [d/2]
+  inverse_frequencies = jnp.asarray(rope_frequencies(dim, base, scaling))  # [d/2]
   angles = positions.astype(jnp.float32)[..., None] * inverse_frequencies  # [b|1, len, d/2]
   cos = jnp.cos(angles)[:, :, None, :]  # [b|1, len, 1, d/2]: the same for every head
   sin = jnp.sin(angles)[:, :, None, :]

@@ -40,6 +40,10 @@ class TransformerConfig:
   # 'relu', 'gelu', 'gelu_tanh', 'silu', gated: 'geglu', 'geglu_tanh', 'reglu', 'swiglu'
   ffn_activation: str = "relu"
   use_bias: bool = True  # biases in the attention and feed-forward projections (T5: none)
+  # Biases of the attention's query/key/value and output projections apart (None: use_bias):
+  # Qwen2 has them on q/k/v only, Llama's `attention_bias` on all four.
+  qkv_bias: bool | None = None
+  out_bias: bool | None = None
   scale_attention_scores: bool = True  # scores / sqrt(head_dim) (T5 folds it into weights)
   cross_attention_score: str = "dot_product"  # or 'multiplicative', 'additive'
 
@@ -51,6 +55,14 @@ class TransformerConfig:
   # over the whole head dimension, which must be even; see layers.rotary_embedding)
   position_embedding: str = "sinusoidal"
   position_base: float = 10000.0  # the sinusoids' base n, or RoPE's base (theta)
+  # RoPE frequency scaling for contexts past the trained one (layers.rope_frequencies): 'none',
+  # 'linear' (positions / factor) or 'llama3' (low frequencies / factor, high kept, a smooth
+  # ramp between, by rope_low_freq_factor / rope_high_freq_factor over rope_original_max_len).
+  rope_scaling: str = "none"
+  rope_scaling_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_len: int = 8192
   relative_attention_num_buckets: int = 32  # 'relative': buckets per direction pair
   relative_attention_max_distance: int = 128  # 'relative': distances beyond share a bucket
   relative_bias_per_layer: bool = False  # 'relative': a bias per layer (UMT5), not per stack

@@ -8,6 +8,7 @@
   t5.py, bart.py, marian.py  encoder-decoders: config fields, special ids, weight table
   bert.py        BERT / RoBERTa / XLM-R classifiers (the same, plus the classification head)
   gpt2.py        GPT-2 as the decoder-only family
+  llama.py       Llama 2 / 3, SmolLM2, Mistral, Qwen2 / 2.5 as the decoder-only family
   mapping.py     weight-name tables and their conversions, both directions; HF activations
   vocab.py       the checkpoint's ids renumbered to this project's pad 0 / eos 1 (a pad added
                  where the checkpoint has none: GPT-2)

@@ -15,6 +15,7 @@ from typing import Collection, Protocol
 from transformer_jax.pretrained import bart
 from transformer_jax.pretrained import bert
 from transformer_jax.pretrained import gpt2
+from transformer_jax.pretrained import llama
 from transformer_jax.pretrained import mapping
 from transformer_jax.pretrained import marian
 from transformer_jax.pretrained import t5
@@ -47,7 +48,7 @@ OPTIONAL = {
     "export_config": "(hf, label_names) -> the config.json an export writes",
 }
 
-MODULES: tuple[ModuleType, ...] = (t5, bart, marian, bert, gpt2)
+MODULES: tuple[ModuleType, ...] = (t5, bart, marian, bert, gpt2, llama)
 ARCHITECTURES: dict[str, ModuleType] = {
     name: module for module in MODULES for name in module.MODEL_TYPES}
 MODEL_TYPES = tuple(sorted(ARCHITECTURES))

@@ -89,6 +89,10 @@ class PretrainedTokenizer:
       # None stays None where the tokenizer has no pad: the vocab map then adds one.
       pad_id = hf_pad if pad_id is None else pad_id
       eos_id = hf_eos if eos_id is None else eos_id
+    # Where the import adds a pad of its own (the model has none: GPT-2, Llama), a pad the
+    # tokenizer names (Qwen's <|endoftext|>) is one more token of the vocabulary to it.
+    if vocab_map is not None and vocab_map.added_pad:
+      hf_pad = None
     if (pad_id, eos_id) != (hf_pad, hf_eos):
       raise ValueError(
           f"The tokenizer in {self._folder} has pad id {_shown(hf_pad)} and eos id {hf_eos} "
