@@ -260,10 +260,10 @@ def test_classifier_fine_tunes_and_exports(kind, num_classes, architecture, fold
   np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4)
 
 
-def test_gpt2_fine_tunes_as_the_decoder_only_family_and_exports(folders, tmp_path,
-                                                                data_cache):
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_decoder_only_checkpoints_fine_tune_and_export(kind, folders, tmp_path, data_cache):
   from transformer_jax import train  # pylint: disable=import-outside-toplevel
-  folder = folders("gpt2")
+  folder = folders(kind)
   config = make_tiny_config(data_cache)
   config.update(architecture="decoder_only", pretrained=folder, num_train_steps=1,
                 eval_every_steps=12, checkpoint_every_steps=12, learning_rate=1e-3,
@@ -280,7 +280,7 @@ def test_gpt2_fine_tunes_as_the_decoder_only_family_and_exports(folders, tmp_pat
   assert result.returncode == 0, result.stderr[-3000:]
   predictor = Predictor.from_workdir(workdir)
   vocab = predictor.tokenizer.vocab_map
-  tokens = _rows(predictor, _texts("gpt2", 3))
+  tokens = _rows(predictor, _texts(kind, 3))
   params = predictor.layout.checkpoint_state(predictor.device_params)
   ours = np.asarray(predictor.family.model.apply({"params": params}, jnp.asarray(tokens),
                                                  deterministic=True))
