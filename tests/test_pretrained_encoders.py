@@ -125,70 +125,49 @@ def test_evaluate_pretrained_classifier_scores_as_pytorch(folders, tmp_path):
   assert result["accuracy"] == pytest.approx(np.mean(logits.argmax(-1) == labels))
 
 
-def test_gpt2_logits_and_greedy_continuations_equal_pytorch(folders):
-  folder = folders("gpt2")
-  predictor = Predictor.from_pretrained(folder)
+def _logits_against_pytorch(predictor: Predictor, model, kind: str, count: int = 6):
+  """Asserts that our logits of right-padded rows of `kind`'s sentences equal those of
+  transformers' `model` on the same ids within 1e-4; returns (ours, theirs, the non-pad
+  positions)."""
   vocab = predictor.tokenizer.vocab_map
-  assert vocab.added_pad and predictor.family.model_config.mask_padding_logit
-  tokens = _rows(predictor, _texts("gpt2"))
+  tokens = _rows(predictor, _texts(kind, count))
   params = predictor.layout.checkpoint_state(predictor.device_params)
   ours = np.asarray(predictor.family.model.apply({"params": params}, jnp.asarray(tokens),
                                                  deterministic=True))
   inputs = np.asarray(models.shift_right(jnp.asarray(tokens), predictor.family.model_config.bos_id))
-  model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
   with torch.no_grad():
     theirs = model(input_ids=torch.tensor(vocab.hf(np.where(tokens != 0, inputs, 1))),
                    attention_mask=torch.tensor(tokens != 0)).logits.numpy()
   real = tokens != 0
   np.testing.assert_allclose(ours[..., vocab.internal(np.arange(vocab.checkpoint_size))][real],
                              theirs[real], atol=1e-4)
-  assert (ours[..., 0] == models.PADDING_LOGIT).all()  # the added pad is never predicted
-
-  # Greedy continuations of `<|endoftext|> SOURCE <|endoftext|>` (the decoder-only family's
-  # prompt), batched here with right-padded prompts, one at a time in transformers.
-  texts = _texts("gpt2", 4)
-  outputs = predictor.predict(texts, method="greedy", max_decode_len=10)
-  tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-  eos = tokenizer.eos_token_id
-  for text, output in zip(texts, outputs):
-    prompt = torch.tensor([[eos] + tokenizer(text)["input_ids"] + [eos]])
-    with torch.no_grad():
-      ids = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                           num_beams=1, max_new_tokens=10, pad_token_id=eos)
-    assert output == tokenizer.decode(ids[0, prompt.shape[1]:], skip_special_tokens=True)
+  return ours, theirs, real
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
-def test_llama_family_logits_and_greedy_continuations_equal_pytorch(kind, folders):
-  """Llama (GQA 2 of 4, head_dim 16 != 32 / 4, llama3 RoPE scaling past a 16-token context,
-  biases on q/k/v/o, untied), Mistral (multi-query, a sliding window: max_len) and Qwen2
-  (biases on q/k/v only, linear RoPE scaling), on right-padded rows."""
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral", "qwen2"])
+def test_decoder_only_logits_and_greedy_continuations_equal_pytorch(kind, folders):
+  """GPT-2; Llama (GQA 2 of 4, head_dim 16 != 32 / 4, llama3 RoPE scaling past a 16-token
+  context, biases on q/k/v/o, untied), Mistral (multi-query, a sliding window: max_len) and
+  Qwen2 (biases on q/k/v only, linear RoPE scaling)."""
   folder = folders(kind)
   predictor = Predictor.from_pretrained(folder)
   config = predictor.family.model_config
-  assert config.position_embedding == "rope" and config.num_kv_heads < config.num_heads
-  assert config.max_len == (32 if kind == "mistral" else 128)  # Mistral's sliding window
-  vocab = predictor.tokenizer.vocab_map
-  tokens = _rows(predictor, _texts(kind))
-  params = predictor.layout.checkpoint_state(predictor.device_params)
-  ours = np.asarray(predictor.family.model.apply({"params": params}, jnp.asarray(tokens),
-                                                 deterministic=True))
-  inputs = np.asarray(models.shift_right(jnp.asarray(tokens), config.bos_id))
+  assert predictor.tokenizer.vocab_map.added_pad and config.mask_padding_logit
+  if kind != "gpt2":
+    assert config.position_embedding == "rope" and config.num_kv_heads < config.num_heads
+    assert config.max_len == (32 if kind == "mistral" else 128)  # Mistral's sliding window
   model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-  with torch.no_grad():
-    theirs = model(input_ids=torch.tensor(vocab.hf(np.where(tokens != 0, inputs, 1))),
-                   attention_mask=torch.tensor(tokens != 0)).logits.numpy()
-  real = tokens != 0
-  np.testing.assert_allclose(ours[..., vocab.internal(np.arange(vocab.checkpoint_size))][real],
-                             theirs[real], atol=1e-4)
+  ours, theirs, real = _logits_against_pytorch(predictor, model, kind)
   assert np.ptp(theirs[real]) > 1.0  # not vacuous: the logits spread far past the tolerance
+  assert (ours[..., 0] == models.PADDING_LOGIT).all()  # the added pad is never predicted
 
-  # Greedy continuations of the decoder-only family's prompt, `<start> SOURCE <eos>` (the
-  # tokenizer's own bos inside SOURCE), batched here, one at a time in transformers.
+  # Greedy continuations of the decoder-only family's prompt, `<start> SOURCE <eos>` (GPT-2's
+  # start and end are both <|endoftext|>; Llama's tokenizer puts its own bos in SOURCE too),
+  # batched here with right-padded prompts, one at a time in transformers.
   tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
   room = predictor.config.max_source_length - 1  # Mistral's window leaves 16 tokens a prompt
-  texts = [t for t in _texts(kind, 40) if len(tokenizer(t)["input_ids"]) <= room][:4]
-  assert len(texts) == 4
+  fitting = [t for t in _texts(kind, 40) if len(tokenizer(t)["input_ids"]) <= room]
+  texts = fitting[::len(fitting) // 4][:4]  # of different lengths
   outputs = predictor.predict(texts, method="greedy", max_decode_len=10)
   start, eos = model.config.bos_token_id, tokenizer.eos_token_id
   for text, output in zip(texts, outputs):
@@ -279,20 +258,10 @@ def test_decoder_only_checkpoints_fine_tune_and_export(kind, folders, tmp_path, 
   result = cli.run(workdir, "--mode", "export", "--output", output)
   assert result.returncode == 0, result.stderr[-3000:]
   predictor = Predictor.from_workdir(workdir)
-  vocab = predictor.tokenizer.vocab_map
-  tokens = _rows(predictor, _texts(kind, 3))
-  params = predictor.layout.checkpoint_state(predictor.device_params)
-  ours = np.asarray(predictor.family.model.apply({"params": params}, jnp.asarray(tokens),
-                                                 deterministic=True))
-  inputs = np.asarray(models.shift_right(jnp.asarray(tokens), predictor.family.model_config.bos_id))
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(output).eval()
-  assert reloaded.config.vocab_size == vocab.checkpoint_size  # the added pad left out
-  with torch.no_grad():
-    theirs = reloaded(input_ids=torch.tensor(vocab.hf(np.where(tokens != 0, inputs, 1))),
-                      attention_mask=torch.tensor(tokens != 0)).logits.numpy()
-  real = tokens != 0
-  np.testing.assert_allclose(ours[..., vocab.internal(np.arange(vocab.checkpoint_size))][real],
-                             theirs[real], atol=1e-4)
+  # The added pad left out of the export.
+  assert reloaded.config.vocab_size == predictor.tokenizer.vocab_map.checkpoint_size
+  _logits_against_pytorch(predictor, reloaded, kind, count=3)
 
 
 def test_a_head_of_another_size_needs_reset_head(folders, tmp_path):
