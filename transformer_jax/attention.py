@@ -265,7 +265,7 @@ class MultiHeadAttention(nn.Module):
     # the tensor axis when they divide it and keeps them whole otherwise (multi-query).
     kv_axis = "heads" if group == 1 else "kv_heads"
     # Logical axis names of the parameters, mapped to mesh axes by the jit layout's rules.
-    qkv_bias = self.use_bias if self.qkv_bias is None else self.qkv_bias
+    qkv_bias, out_bias = (self.use_bias if b is None else b for b in (self.qkv_bias, self.out_bias))
     projection = lambda parts, heads, heads_axis, name: nn.DenseGeneral(
         (parts, heads, head_dim), dtype=self.dtype, use_bias=qkv_bias,
         kernel_init=_partitioned(self.kernel_init, ("embed", None, heads_axis, "kv")),
@@ -329,8 +329,7 @@ class MultiHeadAttention(nn.Module):
     if copies > 1:
       out = out.reshape(rows, num_queries, *out.shape[2:])
     return nn.DenseGeneral(
-        inputs_q.shape[-1], axis=(-2, -1), dtype=self.dtype,
-        use_bias=self.use_bias if self.out_bias is None else self.out_bias,
+        inputs_q.shape[-1], axis=(-2, -1), dtype=self.dtype, use_bias=out_bias,
         kernel_init=_partitioned(self.kernel_init, ("heads", "kv", "embed")),
         bias_init=_partitioned(nn.initializers.zeros_init(), ("embed",)),
         name="out")(out)  # [b, q, emb]
