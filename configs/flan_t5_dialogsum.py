@@ -39,6 +39,7 @@ def get_config(size: str = "small"):
   config.checkpoint_every_steps = 400
   config.checkpoint_best_metric = "rougeL"
   config.decoding.update(method="beam", beam_size=4, alpha=0.6, max_decode_len=96)
-  # config.model's sizes, norms and positions come from the checkpoint; dropout is this run's.
-  config.model.dropout_rate = 0.1
+  # config.model's sizes, norms and positions come from the checkpoint; dropout and max_len
+  # (T5's relative positions have no table: any length up to what the run reads) are the run's.
+  config.model.update(dropout_rate=0.1, max_len=512)
   return config

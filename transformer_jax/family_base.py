@@ -145,4 +145,5 @@ class SequenceFamily(Family):
 
 
 def zeros(abstract_tree):
+  """Zero arrays of the shapes and dtypes of `abstract_tree` (a KV cache's, from eval_shape)."""
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract_tree)
