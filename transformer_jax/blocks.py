@@ -85,11 +85,8 @@ def _attention(c: TransformerConfig, name: str, score: str = "dot_product", *,
 
 
 def rope_scaling(c: TransformerConfig) -> tuple:
-  """The config's RoPE frequency scaling as layers.rope_frequencies takes it."""
-  if c.rope_scaling == "none":
-    return ("none",)
-  if c.rope_scaling == "linear":
-    return ("linear", c.rope_scaling_factor)
+  """The config's RoPE frequency scaling as layers.rope_frequencies takes it (each kind reads
+  the values it needs)."""
   return (c.rope_scaling, c.rope_scaling_factor, c.rope_low_freq_factor,
           c.rope_high_freq_factor, c.rope_original_max_len)
 

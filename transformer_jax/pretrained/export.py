@@ -5,7 +5,6 @@ written as a ...ForSequenceClassification with the run's label names."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Sequence
 
@@ -29,7 +28,7 @@ def export(params, model_config: model_schema.TransformerConfig, workdir: str, o
   hf_config = run_config.saved_json(workdir)
   module = architecture.ARCHITECTURES[hf_config["model_type"]]
   vocab = checkpoint_lib.vocab_map(hf_config)
-  fields = dataclasses.asdict(model_config)
+  fields = model_schema.as_dict(model_config)
   shapes = mapping.Shapes.of(fields, vocab)
   tensors = mapping.state_dict(module.weight_table(hf_config, fields), params, shapes)
   target = workdir_lib.path(output)  # a local folder or a bucket URL
