@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from transformer_jax import checkpoints
-from transformer_jax.pretrained import architecture
+from transformer_jax.pretrained.architecture import ARCHITECTURES, MODEL_TYPES
 from transformer_jax.pretrained import files
 from transformer_jax.pretrained import mapping
 from transformer_jax.pretrained import vocab as vocab_lib
@@ -55,7 +55,7 @@ class Checkpoint:
 
   @property
   def architecture(self) -> ModuleType:
-    return architecture.ARCHITECTURES[self.model_type]
+    return ARCHITECTURES[self.model_type]
 
   @property
   def family(self) -> str:
@@ -145,12 +145,12 @@ def open_checkpoint(name_or_path: str) -> Checkpoint:
     raise PretrainedError(f"{folder} has no config.json; pass a Hugging Face model folder.")
   hf_config = _read_json(folder, "config.json", keys=("model_type",))
   model_type = hf_config.get("model_type")
-  if not isinstance(model_type, str) or model_type not in architecture.ARCHITECTURES:
+  if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
     # Never imported: a folder's own modeling code (config.json's auto_map) is not read.
     raise PretrainedError(f"{os.path.join(folder, 'config.json')}: model_type {model_type!r} is "
-                          f"not supported; supported: {', '.join(architecture.MODEL_TYPES)}.")
+                          f"not supported; supported: {', '.join(MODEL_TYPES)}.")
   _check_weights(folder)
-  module = architecture.ARCHITECTURES[model_type]
+  module = ARCHITECTURES[model_type]
   if hasattr(module, "complete_config"):
     try:
       hf_config = module.complete_config(hf_config, folder)
@@ -175,7 +175,7 @@ def _check_vocab_size(folder: str, hf_config: dict, tensors: "_Tensors") -> None
 def describe(folder: str, hf_config: dict, generation_config: dict, tied: bool,
              tensor_names: frozenset[str] | None = None) -> Checkpoint:
   """The Checkpoint of a config.json and generation_config.json ({} where there is none)."""
-  module = architecture.ARCHITECTURES[hf_config["model_type"]]
+  module = ARCHITECTURES[hf_config["model_type"]]
   config_path = os.path.join(folder, "config.json")
   try:
     fields = module.model_fields(hf_config, tied=tied)
@@ -219,7 +219,7 @@ def _check_sizes(config_path: str, fields: dict) -> None:
 
 def vocab_map(hf_config: dict) -> vocab_lib.VocabMap:
   """The renumbering of a checkpoint's vocabulary (its pad -> 0, its eos -> 1)."""
-  pad_id, eos_id = architecture.ARCHITECTURES[hf_config["model_type"]].special_ids(hf_config)
+  pad_id, eos_id = ARCHITECTURES[hf_config["model_type"]].special_ids(hf_config)
   return vocab_lib.VocabMap.create(hf_config["vocab_size"], pad_id, eos_id)
 
 
