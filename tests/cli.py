@@ -11,7 +11,7 @@ import time
 import urllib.parse
 import urllib.request
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, xla_flags
 
 
 def free_port() -> int:
@@ -21,7 +21,7 @@ def free_port() -> int:
 
 
 def env(devices: int = 1, **extra) -> dict:
-  return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+  return dict(os.environ, XLA_FLAGS=xla_flags(devices),
               JAX_PLATFORMS="cpu", **extra)
 
 

@@ -11,14 +11,31 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# One persistent compilation cache for the session, in this process and in every run the
-# tests start (they inherit the environment): most runs compile the same tiny programs, and
-# a hit skips XLA (tests/test_robustness.py + test_train.py: 131 s -> 72 s). It starts empty
-# each session, so nothing compiled outside the suite is reused.
-_COMPILATION_CACHE = tempfile.mkdtemp(prefix="jax_compilation_cache_")
-atexit.register(shutil.rmtree, _COMPILATION_CACHE, ignore_errors=True)
-os.environ.update(JAX_COMPILATION_CACHE_DIR=_COMPILATION_CACHE,
+# One persistent compilation cache for the session, in this process, in the pytest-xdist
+# workers it starts and in every run the tests start (they all inherit the environment): most
+# runs compile the same tiny programs, and a hit skips XLA (tests/test_robustness.py +
+# test_train.py: 131 s -> 72 s). It starts empty each session, so nothing compiled outside the
+# suite is reused; the process that made it removes it.
+_COMPILATION_CACHE = os.environ.get("TRANSFORMER_JAX_TEST_CACHE")
+if not _COMPILATION_CACHE:
+  _COMPILATION_CACHE = tempfile.mkdtemp(prefix="jax_compilation_cache_")
+  atexit.register(shutil.rmtree, _COMPILATION_CACHE, ignore_errors=True)
+os.environ.update(TRANSFORMER_JAX_TEST_CACHE=_COMPILATION_CACHE,
+                  JAX_COMPILATION_CACHE_DIR=_COMPILATION_CACHE,
                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+
+# The suite's programs are tiny and most of its time is XLA compiling them: LLVM's -O0 on the
+# CPU halves that (test_train.py + test_inference.py: 202 s -> 154 s) and changes no result
+# beyond float rounding. Runs the tests start get the same flags (see `xla_flags`).
+_TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+if _TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_TEST_XLA_FLAGS}".strip()
+
+
+def xla_flags(devices: int) -> str:
+  """XLA_FLAGS for a run the tests start on `devices` simulated CPU devices."""
+  return f"{_TEST_XLA_FLAGS} --xla_force_host_platform_device_count={devices}"
+
 
 from configs import demo  # noqa: E402
 

@@ -201,24 +201,35 @@ def gpt2_tokenizer_files(folder: str, texts: list[str], vocab_size: int = 800) -
   return _reloaded(folder)
 
 
+# ChatML (Qwen's, SmolLM2's) with an optional system turn; the reply ends with <|im_end|>.
+CHATML_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] | trim }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 def llama_tokenizer_files(folder: str, texts: list[str], vocab_size: int = 800) -> TokenizerFiles:
   """Llama 3 style: one tokenizer.json of a byte-level BPE with `<|begin_of_text|>` (bos,
-  which the tokenizer puts before every text), `<|end_of_text|>` (eos) and `<|endoftext|>`
-  the last ids; no pad. (Qwen2's tokenizer class pads with its `<|endoftext|>`: a token of
-  the vocabulary, as in the Qwen checkpoints.)"""
+  which the tokenizer puts before every text), `<|end_of_text|>` (eos), `<|endoftext|>` and
+  ChatML's `<|im_start|>` / `<|im_end|>` the last ids; no pad; CHATML_TEMPLATE its chat
+  template. (Qwen2's tokenizer class pads with its `<|endoftext|>`: a token of the
+  vocabulary, as in the Qwen checkpoints.)"""
   import tokenizers  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
   bos, eos, qwen_pad = "<|begin_of_text|>", "<|end_of_text|>", "<|endoftext|>"
-  _byte_level_bpe(folder, texts, vocab_size - 3, [], [bos, eos, qwen_pad])
+  special = [bos, eos, qwen_pad, "<|im_start|>", "<|im_end|>"]
+  _byte_level_bpe(folder, texts, vocab_size - len(special), [], special)
   vocab, merges = (os.path.join(folder, name) for name in ("vocab.json", "merges.txt"))
   bpe = tokenizers.ByteLevelBPETokenizer(vocab, merges)
-  bpe.add_special_tokens([bos, eos, qwen_pad])
+  bpe.add_special_tokens(special)
   bpe.post_processor = tokenizers.processors.TemplateProcessing(
       single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bpe.token_to_id(bos))])
   os.remove(vocab)
   os.remove(merges)
-  transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=bos,
-                                       eos_token=eos).save_pretrained(folder)
+  tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=bos,
+                                                   eos_token=eos)
+  tokenizer.chat_template = CHATML_TEMPLATE
+  tokenizer.save_pretrained(folder)
   return _reloaded(folder)
 
 

@@ -49,7 +49,8 @@ def test_a_second_call_in_the_same_bucket_compiles_nothing(tiny_config, caplog):
 
 _SCRIPT = r"""
 import json, os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=4")
 sys.path.insert(0, sys.argv[1])
 import jax, numpy as np
 from tests import conftest

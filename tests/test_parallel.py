@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from tests.conftest import xla_flags
 from transformer_jax import checkpoints
 from transformer_jax import families
 from transformer_jax import commands
@@ -54,7 +55,7 @@ print("RESULT", json.dumps(result))
 def _run(script, devices, processes=1):
   """Runs `script` in `processes` processes of `devices` CPU devices (jax.distributed over
   gloo on localhost when several); returns each one's JSON line after "RESULT"."""
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+  env = dict(os.environ, XLA_FLAGS=xla_flags(devices),
              JAX_PLATFORMS="cpu")
   prefix = [""]
   if processes > 1:

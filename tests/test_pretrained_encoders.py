@@ -22,6 +22,7 @@ from tests.conftest import make_tiny_config
 from transformer_jax import default_config
 from transformer_jax import models
 from transformer_jax.data import pipeline
+from transformer_jax.data import prompt_format
 from transformer_jax.predict import Predictor
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
 
@@ -125,6 +126,10 @@ def test_evaluate_pretrained_classifier_scores_as_pytorch(folders, tmp_path):
   assert result["accuracy"] == pytest.approx(np.mean(logits.argmax(-1) == labels))
 
 
+def vocab_internal(predictor: Predictor, hf_ids) -> list[int]:
+  return [int(i) for i in predictor.tokenizer.vocab_map.internal(hf_ids)]
+
+
 def _logits_against_pytorch(predictor: Predictor, model, kind: str, count: int = 6):
   """Asserts that our logits of right-padded rows of `kind`'s sentences equal those of
   transformers' `model` on the same ids within 1e-4; returns (ours, theirs, the non-pad
@@ -161,21 +166,34 @@ def test_decoder_only_logits_and_greedy_continuations_equal_pytorch(kind, folder
   assert np.ptp(theirs[real]) > 1.0  # not vacuous: the logits spread far past the tolerance
   assert (ours[..., 0] == models.PADDING_LOGIT).all()  # the added pad is never predicted
 
-  # Greedy continuations of the decoder-only family's prompt, `<start> SOURCE <eos>` (GPT-2's
-  # start and end are both <|endoftext|>; Llama's tokenizer puts its own bos in SOURCE too),
-  # batched here with right-padded prompts, one at a time in transformers.
+  # Served as it is, the checkpoint continues raw text as `generate` does: the tokenizer's ids
+  # (Llama's with its own BOS, GPT-2's with none), no separator. Batched here with
+  # right-padded prompts of different lengths, one at a time in transformers.
+  assert predictor.config.prompt_format == "raw"
   tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
   room = predictor.config.max_source_length - 1  # Mistral's window leaves 16 tokens a prompt
   fitting = [t for t in _texts(kind, 40) if len(tokenizer(t)["input_ids"]) <= room]
-  texts = fitting[::len(fitting) // 4][:4]  # of different lengths
-  outputs = predictor.predict(texts, method="greedy", max_decode_len=10)
-  start, eos = model.config.bos_token_id, tokenizer.eos_token_id
+  texts = fitting[::len(fitting) // 4][:4]
+  assert len({len(tokenizer(t)["input_ids"]) for t in texts}) > 1
+  prompts = [predictor.family.prompt(ids) for ids in
+             predictor.tokenizer.encode_batch(texts)]
+  outputs = predictor.output_ids(prompts, decoding_config=predictor.decoding_config(
+      method="greedy", max_decode_len=10))
   for text, output in zip(texts, outputs):
-    prompt = torch.tensor([[start] + tokenizer(text)["input_ids"] + [eos]])
+    prompt = tokenizer(text, return_tensors="pt")["input_ids"]
+    assert (prompt[0, 0] == tokenizer.bos_token_id) == (kind != "gpt2")
     with torch.no_grad():
       ids = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                           num_beams=1, max_new_tokens=10, pad_token_id=eos)
-    assert output == tokenizer.decode(ids[0, prompt.shape[1]:], skip_special_tokens=True)
+                           num_beams=1, max_new_tokens=10,
+                           pad_token_id=tokenizer.eos_token_id)[0, prompt.shape[1]:].numpy()
+    ends = np.flatnonzero(ids == tokenizer.eos_token_id)  # ours: EOS, then zeros
+    expected = vocab_internal(predictor, ids[:ends[0] + 1] if len(ends) else ids)
+    assert list(output[:len(expected)]) == expected
+  if kind == "gpt2":  # the command line continues the text too, one line at a time
+    result = cli.run_main("--mode", "predict", "--pretrained", folder, "--input", "-",
+                          "--config.decoding.max_decode_len=10", input="\n".join(texts[:2]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == predictor.predict(texts[:2], max_decode_len=10)
 
 
 def _write_sentiment(folder, num_classes: int = 2):
@@ -239,14 +257,96 @@ def test_classifier_fine_tunes_and_exports(kind, num_classes, architecture, fold
   np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def _chat_folder(folders, tmp_path) -> str:
+  """The Qwen2 kind (ChatML template) with Qwen's end ids in generation_config.json:
+  <|end_of_text|> and <|im_end|>, which ends a reply."""
+  folder = str(tmp_path / "qwen2_chat")
+  shutil.copytree(folders("qwen2"), folder)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+  path = os.path.join(folder, "generation_config.json")
+  with open(path) as f:
+    generation = json.load(f)
+  generation["eos_token_id"] = [tokenizer.eos_token_id,
+                                tokenizer.convert_tokens_to_ids("<|im_end|>")]
+  with open(path, "w") as f:
+    json.dump(generation, f)
+  return folder
+
+
+_CHAT = dict(prompt_format="chat", system_prompt="You write short summaries.",
+             prompt_template="Summarize this:\n{source}")
+
+
+def test_chat_prompts_and_replies_equal_transformers(folders, tmp_path):
+  folder = _chat_folder(folders, tmp_path)
+  config = default_config.get_config()
+  config.update(_CHAT)
+  predictor = Predictor.from_pretrained(folder, config)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+  im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+  assert predictor.config.decoding.end_ids == tuple(vocab_internal(predictor, [im_end]))
+  # A multi-turn chat with a system prompt renders to transformers' ids.
+  chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"},
+          {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Translate "
+                                                                               "'cat'."}]
+  ours = predictor.tokenizer.encode_batch([predictor.tokenizer.render_chat(chat)],
+                                          add_special_tokens=False)[0]
+  assert ours == vocab_internal(predictor, tokenizer.apply_chat_template(
+      chat, add_generation_prompt=True, tokenize=True, return_dict=False))
+  # Greedy replies to config.prompt_template's user turn (after config.system_prompt) equal
+  # generate's on apply_chat_template, batched with right padding, ending at <|im_end|>.
+  texts = _texts("qwen2", 3)
+  text_encoder = prompt_format.TextEncoder(predictor.config, predictor.tokenizer)
+  outputs = predictor.output_ids([predictor.family.prompt(ids) for ids in
+                                  text_encoder.encode(texts)[0]],
+                                 decoding_config=predictor.decoding_config(max_decode_len=10))
+  for text, output in zip(texts, outputs):
+    prompt = torch.tensor([tokenizer.apply_chat_template(
+        text_encoder.messages(text), add_generation_prompt=True, tokenize=True,
+        return_dict=False)])
+    header = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    assert prompt[0, -len(header):].tolist() == header  # the generation prompt
+    with torch.no_grad():
+      ids = model_generate(folder, prompt)
+    ends = np.flatnonzero(np.isin(ids, [tokenizer.eos_token_id, im_end]))
+    expected = vocab_internal(predictor, ids[:ends[0] + 1] if len(ends) else ids)
+    if len(ends):
+      expected[-1] = 1  # every end token ends our outputs as EOS
+    assert list(output[:len(expected)]) == expected
+  # Training examples: the reply and its <|im_end|> weigh, nothing else.
+  family = predictor.family
+  sources, targets = text_encoder.encode(texts[:1], ["A short reply."])
+  features = family.example_features(sources[0], targets[0])
+  reply = vocab_internal(predictor, tokenizer("A short reply.<|im_end|>",
+                                              add_special_tokens=False)["input_ids"])
+  assert targets[0] == reply
+  assert list(features["targets"][features["weights"] == 1]) == reply
+
+
+_MODELS: dict = {}
+
+
+def model_generate(folder: str, prompt, max_new_tokens: int = 10) -> np.ndarray:
+  """transformers' greedy continuation ids of `prompt` [1, len] (the new ones)."""
+  if folder not in _MODELS:
+    _MODELS[folder] = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+  model = _MODELS[folder]
+  return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                        num_beams=1, max_new_tokens=max_new_tokens,
+                        pad_token_id=model.generation_config.eos_token_id[0]
+                        if isinstance(model.generation_config.eos_token_id, list)
+                        else model.generation_config.eos_token_id
+                        )[0, prompt.shape[1]:].numpy()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2-chat"])
 def test_decoder_only_checkpoints_fine_tune_and_export(kind, folders, tmp_path, data_cache):
   from transformer_jax import train  # pylint: disable=import-outside-toplevel
-  folder = folders(kind)
+  folder = _chat_folder(folders, tmp_path) if kind == "qwen2-chat" else folders(kind)
   config = make_tiny_config(data_cache)
   config.update(architecture="decoder_only", pretrained=folder, num_train_steps=1,
                 eval_every_steps=12, checkpoint_every_steps=12, learning_rate=1e-3,
-                num_generate_examples=4)
+                num_generate_examples=4, **(_CHAT if kind == "qwen2-chat" else {}))
   config.decoding.update(method="greedy", max_decode_len=8)
   workdir = str(tmp_path / "run")
   first = train.train_and_evaluate(config, workdir)
@@ -261,7 +361,8 @@ def test_decoder_only_checkpoints_fine_tune_and_export(kind, folders, tmp_path, 
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(output).eval()
   # The added pad left out of the export.
   assert reloaded.config.vocab_size == predictor.tokenizer.vocab_map.checkpoint_size
-  _logits_against_pytorch(predictor, reloaded, kind, count=3)
+  _logits_against_pytorch(predictor, reloaded, kind.split("-")[0], count=3)
+  assert predictor.config.prompt_format == config.prompt_format  # as it was trained
 
 
 def test_a_head_of_another_size_needs_reset_head(folders, tmp_path):

@@ -131,6 +131,7 @@ def check_background_saves(checkpoints: ocp.CheckpointManager) -> None:
 
 
 def _save_failed(checkpoints: ocp.CheckpointManager, error: Exception) -> CheckpointError:
+  checkpoints.reload()  # its own list already holds the step whose save just failed
   complete = checkpoints.all_steps()
   return CheckpointError(
       f"Saving a checkpoint in {checkpoints.directory} failed: {_short(error)}. Check that the "

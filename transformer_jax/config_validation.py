@@ -18,10 +18,12 @@ from transformer_jax import families
 from transformer_jax import layers
 from transformer_jax import parallel
 from transformer_jax.data import hf_source
+from transformer_jax.data import prompt_format
 
 CHOICES = {
     "task": ("translation", "summarization", "classification", "multitask"),
     "architecture": ("encoder_decoder", "decoder_only"),
+    "prompt_format": prompt_format.FORMATS,
     "dataset": ("demo", "local", "tfds", "huggingface"),
     "local.format": ("parallel", "jsonl", "tsv", "label_lines", "label_files"),
     "tokenizer.model_type": ("bpe", "unigram", "char", "word"),
@@ -133,11 +135,11 @@ def problems(config: ml_collections.ConfigDict, device_count: int | None = None)
       problem = _range_problem(key, value, *bounds)
       if problem:
         found.append(problem)
-  banned = _get(config, "decoding.banned_ids")
-  if banned is not None and not (isinstance(banned, (list, tuple)) and all(
-      isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in banned)):
-    found.append(f"config.decoding.banned_ids={banned!r} must be a tuple of token ids >= 0, "
-                 "e.g. (3, 7)")
+  for key in ("decoding.banned_ids", "decoding.end_ids"):
+    ids = _get(config, key)
+    if ids is not None and not (isinstance(ids, (list, tuple)) and all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+      found.append(f"config.{key}={ids!r} must be a tuple of token ids >= 0, e.g. (3, 7)")
   if found:
     return found  # the rules below assume well-formed values
   found += _cross_key_problems(config, device_count)
@@ -206,6 +208,12 @@ def _data_problems(config: ml_collections.ConfigDict) -> list[str]:
                  f"({', '.join(config.splits)})")
   if config.dataset == "local" and not config.data_dir and config.task != "multitask":
     found.append("config.dataset='local' needs config.data_dir: pass --config.data_dir=FOLDER of the corpus")
+  if config.prompt_format != "task" and families.name(config) != "decoder_only":
+    found.append(f"config.prompt_format={config.prompt_format!r} is for decoder-only models "
+                 "(config.architecture='decoder_only'); use 'task'")
+  if config.prompt_format == "chat" and prompt_format.SOURCE_FIELD not in config.prompt_template:
+    found.append(f"config.prompt_template={config.prompt_template!r} has no "
+                 f"{prompt_format.SOURCE_FIELD} for the source text")
   if config.dataset == "tfds" and not config.tfds.name:
     found.append("config.dataset='tfds' needs config.tfds.name")
   if config.dataset == "huggingface":
@@ -232,10 +240,11 @@ def _decoding_problems(config: ml_collections.ConfigDict) -> list[str]:
   if d.min_length and d.max_decode_len and d.min_length >= d.max_decode_len:
     found.append(f"config.decoding.min_length={d.min_length} leaves no room for EOS in "
                  f"config.decoding.max_decode_len={d.max_decode_len} tokens; lower it")
-  past_vocab = [i for i in d.banned_ids if i >= m.vocab_size]
-  if past_vocab:
-    found.append(f"config.decoding.banned_ids {past_vocab} are not below "
-                 f"config.model.vocab_size={m.vocab_size}")
+  for key in ("banned_ids", "end_ids"):
+    past_vocab = [i for i in d.get(key, ()) if i >= m.vocab_size]
+    if past_vocab:
+      found.append(f"config.decoding.{key} {past_vocab} are not below "
+                   f"config.model.vocab_size={m.vocab_size}")
   if d.forced_bos_id >= m.vocab_size:
     found.append(f"config.decoding.forced_bos_id={d.forced_bos_id} is not below "
                  f"config.model.vocab_size={m.vocab_size}")

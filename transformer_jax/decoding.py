@@ -73,13 +73,15 @@ def _forced_tokens(decoder_prompt: Array | None, copies: int,
 
 # ---- Logits processors ---------------------------------------------------------------------
 
-def min_length_processor(min_length: int | Array, eos_id: int) -> LogitsProcessor:
-  """Bans EOS at output positions below `min_length`: at least that many tokens come first."""
+def min_length_processor(min_length: int | Array, eos_id: int,
+                         end_ids: Sequence[int] = ()) -> LogitsProcessor:
+  """Bans EOS (and the further `end_ids`) at output positions below `min_length`: at least
+  that many tokens come first."""
   _check("min_length", min_length, lambda v: v >= 0, ">= 0")
 
   def process(logits, step, sequences):
     del sequences
-    is_eos = jnp.arange(logits.shape[-1]) == eos_id  # [vocab]
+    is_eos = jnp.isin(jnp.arange(logits.shape[-1]), jnp.asarray((eos_id, *end_ids)))
     return jnp.where(is_eos & (step < min_length), NEG_INF, logits)
   return process
 
@@ -178,7 +180,8 @@ def chain_processors(*processors: LogitsProcessor | None) -> LogitsProcessor | N
   return process
 
 
-def make_logits_processor(*, eos_id: int, min_length: int = 0, banned_ids: Sequence[int] = (),
+def make_logits_processor(*, eos_id: int, end_ids: Sequence[int] = (), min_length: int = 0,
+                          banned_ids: Sequence[int] = (),
                           repetition_penalty: float = 1.0, no_repeat_ngram_size: int = 0,
                           forced_bos_id: int = -1,
                           forced_eos: bool = False) -> LogitsProcessor | None:
@@ -189,7 +192,7 @@ def make_logits_processor(*, eos_id: int, min_length: int = 0, banned_ids: Seque
       repetition_penalty_processor(repetition_penalty) if repetition_penalty != 1.0 else None,
       no_repeat_ngram_processor(no_repeat_ngram_size) if no_repeat_ngram_size else None,
       banned_ids_processor(banned_ids) if len(banned_ids) else None,
-      min_length_processor(min_length, eos_id) if min_length else None,
+      min_length_processor(min_length, eos_id, end_ids) if min_length else None,
       forced_bos_processor(forced_bos_id) if forced_bos_id >= 0 else None,
       forced_eos_processor(eos_id) if forced_eos else None)
 
@@ -197,8 +200,9 @@ def make_logits_processor(*, eos_id: int, min_length: int = 0, banned_ids: Seque
 # ---- Greedy and sampling -------------------------------------------------------------------
 
 def _decode_loop(cache: Any, tokens_to_logits: TokensToLogits,
-                 choose: Callable[[Array, Array], Array], *, rows: int, bos_id: int,
+                 choose: Callable[[Array, Array], Array], *, rows: int, bos_id: int | Array,
                  eos_id: int, max_decode_len: int, forced: Array | None,
+                 end_ids: Sequence[int] = (),
                  logits_processor: LogitsProcessor | None) -> tuple[Array, Array]:
   """Feeds each chosen token back until every row has produced EOS or max_decode_len tokens.
 
@@ -227,19 +231,36 @@ def _decode_loop(cache: Any, tokens_to_logits: TokensToLogits,
     token = jnp.where(finished, 0, token)
     token_logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=-1)
     logprobs = logprobs + jnp.where(finished | is_forced, 0.0, token_logprob[:, 0])
+    token = jnp.where(is_forced, token, as_eos(token, eos_id, end_ids))
     sequences = jax.lax.dynamic_update_slice(sequences, token[:, None], (0, step))
     finished = finished | ((token == eos_id) & ~is_forced)
     return step + 1, token[:, None], sequences, finished, logprobs, cache
 
-  state = (jnp.array(0), jnp.full((rows, 1), bos_id, jnp.int32),
+  state = (jnp.array(0), first_inputs(bos_id, rows),
            jnp.zeros((rows, max_decode_len), jnp.int32), jnp.zeros((rows,), jnp.bool_),
            jnp.zeros((rows,), jnp.float32), cache)
   _, _, sequences, _, logprobs, _ = jax.lax.while_loop(cond, body, state)
   return sequences, logprobs
 
 
+def as_eos(tokens: Array, eos_id: int, end_ids: Sequence[int]) -> Array:
+  """`tokens` with each of the further `end_ids` (a checkpoint's other end tokens, e.g.
+  Llama 3's <|eot_id|> beside <|end_of_text|>) replaced by `eos_id`: outputs end one way."""
+  if not len(end_ids):
+    return tokens
+  return jnp.where(jnp.isin(tokens, jnp.asarray(end_ids, jnp.int32)), eos_id, tokens)
+
+
+def first_inputs(bos_id: int | Array, rows: int) -> Array:
+  """[rows, 1] first decoder inputs: one id for every row, or one per input ([batch] ids,
+  e.g. each prompt's last token) repeated over its consecutive rows (beams, samples)."""
+  ids = jnp.reshape(jnp.asarray(bos_id, jnp.int32), (-1,))
+  return jnp.repeat(ids, rows // ids.shape[0])[:, None]
+
+
 def greedy_search(cache: Any, tokens_to_logits: TokensToLogits, *, batch_size: int,
-                  bos_id: int, eos_id: int, max_decode_len: int, return_logprobs: bool = False,
+                  bos_id: int | Array, eos_id: int, max_decode_len: int,
+                  return_logprobs: bool = False, end_ids: Sequence[int] = (),
                   decoder_prompt: Array | None = None,
                   logits_processor: LogitsProcessor | None = None):
   """Most likely token at every step. Returns [batch, max_decode_len] tokens (and their
@@ -248,7 +269,7 @@ def greedy_search(cache: Any, tokens_to_logits: TokensToLogits, *, batch_size: i
   choose = lambda logits, step: jnp.argmax(logits, axis=-1).astype(jnp.int32)
   tokens, logprobs = _decode_loop(
       cache, tokens_to_logits, choose, rows=batch_size, bos_id=bos_id, eos_id=eos_id,
-      max_decode_len=max_decode_len, logits_processor=logits_processor,
+      end_ids=end_ids, max_decode_len=max_decode_len, logits_processor=logits_processor,
       forced=_forced_tokens(decoder_prompt, 1, max_decode_len))
   return (tokens, logprobs) if return_logprobs else tokens
 
@@ -281,8 +302,9 @@ def filter_logits(logits: Array, top_k: int = 0, top_p: float | Array = 1.0) -> 
 
 
 def sample(cache: Any, tokens_to_logits: TokensToLogits, rng: Array, *, batch_size: int,
-           bos_id: int, eos_id: int, max_decode_len: int, temperature: float | Array = 1.0,
-           top_k: int = 0, top_p: float | Array = 1.0, return_logprobs: bool = False,
+           bos_id: int | Array, eos_id: int, max_decode_len: int,
+           temperature: float | Array = 1.0, top_k: int = 0, top_p: float | Array = 1.0,
+           return_logprobs: bool = False, end_ids: Sequence[int] = (),
            num_decodes: int | None = None, decoder_prompt: Array | None = None,
            logits_processor: LogitsProcessor | None = None):
   """Samples from softmax(filter_logits(logits / temperature)), seeded by `rng`.
@@ -297,8 +319,9 @@ def sample(cache: Any, tokens_to_logits: TokensToLogits, rng: Array, *, batch_si
       `num_decodes` samples) draws from its own key, so a row's samples do not depend on the
       other rows of the batch.
     batch_size: rows of the cache (inputs).
-    bos_id: first decoder input token.
+    bos_id: first decoder input token, or one per input row ([batch_size] ids).
     eos_id: end-of-sequence id.
+    end_ids: further ids that end an output as `eos_id` does (shown as `eos_id` in it).
     max_decode_len: output length in tokens, EOS included.
     temperature, top_k, top_p: see above.
     return_logprobs: also return each output's log-probability under the (processed) model
@@ -331,7 +354,7 @@ def sample(cache: Any, tokens_to_logits: TokensToLogits, rng: Array, *, batch_si
 
   tokens, logprobs = _decode_loop(
       cache, tokens_to_logits, choose, rows=batch_size * copies, bos_id=bos_id, eos_id=eos_id,
-      max_decode_len=max_decode_len, logits_processor=logits_processor,
+      end_ids=end_ids, max_decode_len=max_decode_len, logits_processor=logits_processor,
       forced=_forced_tokens(decoder_prompt, copies, max_decode_len))
   if num_decodes is not None:
     tokens = tokens.reshape(batch_size, num_decodes, max_decode_len)
@@ -405,8 +428,8 @@ def _gather_cache(cache: Any, beam_indices: Array, old_beam: int) -> Any:
 
 def beam_search(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, *,
                 beam_size: int, alpha: float | Array, eos_id: int,
-                max_decode_len: int | None = None, bos_id: int = 2,
-                decoder_prompt: Array | None = None,
+                max_decode_len: int | None = None, bos_id: int | Array = 2,
+                end_ids: Sequence[int] = (), decoder_prompt: Array | None = None,
                 logits_processor: LogitsProcessor | None = None,
                 length_penalty_kind: str = "gnmt") -> tuple[Array, Array]:
   """Beam search with a length penalty, live and finished hypotheses apart (the module
@@ -422,7 +445,8 @@ def beam_search(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, *,
     length_penalty_kind: 'gnmt' or 'hf' (Hugging Face's); see `length_penalty`.
     eos_id: end-of-sequence id.
     max_decode_len: longest output in tokens, EOS included; default source length + 50.
-    bos_id: first decoder input token.
+    bos_id: first decoder input token, or one per input row ([batch_size] ids).
+    end_ids: further ids that end an output as `eos_id` does (shown as `eos_id` in it).
     decoder_prompt, logits_processor: see the module docstring (`sequences` holds the live
       hypotheses, [batch*beam, max_decode_len]).
 
@@ -456,6 +480,7 @@ def beam_search(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, *,
     candidates = (live_logprobs[:, :, None] + log_probs).reshape(batch_size, k * vocab)
     top_logprobs, top_indices = jax.lax.top_k(candidates, 2 * k)  # [batch, 2k], best first
     top_beams, top_tokens = top_indices // vocab, (top_indices % vocab).astype(jnp.int32)
+    top_tokens = jnp.where(is_forced[:, None], top_tokens, as_eos(top_tokens, eos_id, end_ids))
     top_seqs = _gather_beams(live_seqs, top_beams)  # [batch, 2k, length + 1]
     top_seqs = jax.lax.dynamic_update_slice(top_seqs, top_tokens[:, :, None], (0, 0, step + 1))
     possible = top_logprobs > NEG_INF / 2
@@ -479,11 +504,13 @@ def beam_search(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, *,
   return sequences[:, :, 1:], scores
 
 
-def _initial_beams(batch_size: int, k: int, length: int, bos_id: int, cache: Any) -> tuple:
+def _initial_beams(batch_size: int, k: int, length: int, bos_id: int | Array,
+                   cache: Any) -> tuple:
   """Beam search's loop state at step 0: (step, live sequences [batch, k, length + 1] (the
   bos at position 0, which the output drops), their log-probs, finished sequences, their
   scores, the cache expanded to k beams)."""
-  live_seqs = jnp.zeros((batch_size, k, length + 1), jnp.int32).at[:, :, 0].set(bos_id)
+  live_seqs = jnp.zeros((batch_size, k, length + 1), jnp.int32).at[:, :, 0].set(
+      first_inputs(bos_id, batch_size * k).reshape(batch_size, k))
   # Only the first beam is alive at the start, so the first step does not pick k copies.
   live_logprobs = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (batch_size, 1))
   return (jnp.array(0), live_seqs, live_logprobs, jnp.zeros_like(live_seqs),

@@ -68,6 +68,17 @@ def get_config() -> ml_collections.ConfigDict:
   # `SOURCE <eos> TARGET <eos>`, loss on the target only). Classification always uses the
   # encoder with a pooling head.
   config.architecture = "encoder_decoder"
+  # How a decoder-only model reads its source (data/prompt_format.py): 'task' (the format
+  # above), 'raw' (text to continue, tokenized as a pretrained checkpoint's tokenizer does it:
+  # what transformers' generate reads; serving a pretrained decoder-only checkpoint defaults to
+  # it) or 'chat' (the source as a user message, rendered by the checkpoint's chat template;
+  # the target is the assistant's reply).
+  config.prompt_format = "task"
+  # 'chat': the user's message, with {source} replaced by the source text, e.g.
+  # 'Summarize this dialogue:\n{source}'.
+  config.prompt_template = "{source}"
+  # 'chat': a system message before it ('' = none).
+  config.system_prompt = ""
   # Where examples come from: 'demo' (generated grammar), 'local' (config.data_dir), 'tfds' or
   # 'huggingface' (config.huggingface).
   config.dataset = "demo"
@@ -249,6 +260,10 @@ def get_config() -> ml_collections.ConfigDict:
       # Every method: an output that reaches max_decode_len ends with EOS at its last position
       # (Hugging Face's forced_eos_token_id).
       forced_eos=False,
+      # Every method: further ids that end an output as EOS does (an imported checkpoint's
+      # other end tokens, from its generation_config.json's eos_token_id list: Llama 3's
+      # <|eot_id|>, Qwen's <|im_end|>), in the model's renumbered ids.
+      end_ids=(),
       # Sampling seed.
       seed=0,
   ))

@@ -176,9 +176,18 @@ class EncoderDecoder(family_base.SequenceFamily):
 class DecoderOnly(family_base.SequenceFamily):
   """A causal LM over `SOURCE <eos> TARGET <eos>`, graded on the target only. Causal over the
   source too, or with `model.prefix_lm` a prefix LM: the source part (loss weight 0) read
-  both ways, in training and when a prompt fills the KV cache."""
+  both ways, in training and when a prompt fills the KV cache.
+
+  With config.prompt_format 'raw' or 'chat' (data/prompt_format.py) the sequence is the
+  prompt's ids as a pretrained tokenizer makes them, then the target's: the model reads them
+  as they are, not shifted right behind a start token, and decoding continues the prompt
+  from its last token."""
   name = "decoder_only"
   continues_prompt = True
+
+  def __init__(self, config: ml_collections.ConfigDict):
+    super().__init__(config)
+    self.unshifted = config.get("prompt_format", "task") != "task"
 
   @staticmethod
   def longest_sequence(config):
@@ -199,7 +208,15 @@ class DecoderOnly(family_base.SequenceFamily):
     """Logits [b, len, vocab] (`method=self.model.states`: the states before the output)."""
     return self.model.apply({"params": params}, batch["targets"], batch.get("targets_position"),
                             batch.get("targets_segmentation"), _prefix(batch),
-                            deterministic=deterministic, rngs=rngs or {}, method=method)
+                            deterministic=deterministic, rngs=rngs or {}, method=method,
+                            shift=not self.unshifted)
+
+  def labels_and_weights(self, batch: dict) -> tuple[Array, Array]:
+    labels, weights = super().labels_and_weights(batch)
+    if self.unshifted:  # logits[t] predict token t + 1
+      next_one = lambda x: jnp.pad(x[:, 1:], ((0, 0), (0, 1)))
+      labels, weights = next_one(labels), next_one(weights)
+    return labels, weights
 
   def score_outputs(self, params, batch, score, *, deterministic, rngs=None):
     # Only the target part carries loss (a summary's ~60 of 320 positions): the output layer,
@@ -231,12 +248,23 @@ class DecoderOnly(family_base.SequenceFamily):
   def example_features(self, source, target):
     # The source is cut to its own budget, so the prompt fits the same length at inference.
     max_source, max_target = self.config.max_source_length, self.config.max_target_length
-    tokens, weights = pipeline.decoder_only_example(
-        source[:max_source - 1], target[:max_target - 1], max_source + max_target)
+    if self.unshifted:
+      tokens, weights = pipeline.text_example(self.prompt(source), target[:max_target])
+    else:
+      tokens, weights = pipeline.decoder_only_example(
+          source[:max_source - 1], target[:max_target - 1], max_source + max_target)
     return {"targets": tokens, "weights": weights}
 
+  def prompt(self, source):
+    if not self.unshifted:
+      return super().prompt(source)
+    # An empty text starts from the start token (GPT-2's <|endoftext|>, as transformers does).
+    return np.asarray(list(source)[:self.config.max_source_length] or [self.model_config.bos_id],
+                      np.int32)
+
   def prompts(self, encoded: pipeline.Encoded) -> list[np.ndarray]:
-    """The `SOURCE <eos>` part (loss weight 0) of each example's tokens."""
+    """The prompt part (loss weight 0: `SOURCE <eos>`, or a raw / chat prompt) of each
+    example's tokens."""
     return [tokens[weights == 0] for tokens, weights in
             zip(encoded.features["targets"], encoded.features["weights"])]
 
@@ -249,8 +277,9 @@ class DecoderOnly(family_base.SequenceFamily):
     tokens = np.concatenate([prompt, output])  # SOURCE <eos> TARGET <eos>, as in training
     prefix = np.arange(len(tokens)) < len(prompt)
     weights = models.attention_weights(self.model, params, tokens[None], None, None,
-                                       prefix[None])
-    inputs = np.asarray(models.shift_right(tokens[None], self.model_config.bos_id))[0]
+                                       prefix[None], shift=not self.unshifted)
+    inputs = (tokens if self.unshifted else
+              np.asarray(models.shift_right(tokens[None], self.model_config.bos_id))[0])
     return weights, {"decoder_self": (tokens, inputs)}
 
   def init_cache(self, batch_size: int, cache_len: int):
@@ -263,12 +292,20 @@ class DecoderOnly(family_base.SequenceFamily):
     """Fills the KV cache with the right-padded prompts `SOURCE <eos>` [b, P].
 
     The cache holds `<bos> SOURCE` (the training input up to the EOS), so decoding starts by
-    feeding EOS, whose logits predict the first target token, exactly as in training. Padding
-    slots are masked out and each row's positions continue from its own prompt length.
+    feeding EOS, whose logits predict the first target token, exactly as in training. Raw and
+    chat prompts are read as they are: the cache holds all but each prompt's last token,
+    which decoding starts from. Padding slots are masked out and each row's positions
+    continue from its own prompt length.
     """
     model = self.model
     batch_size, prompt_len = inputs.shape
-    filled = models.shift_right(inputs, self.model_config.bos_id)  # [b, P]: <bos> SOURCE, 0...
+    if self.unshifted:
+      last = jnp.sum(inputs != 0, axis=1, keepdims=True) - 1  # [b, 1]
+      start = jnp.take_along_axis(inputs, jnp.maximum(last, 0), axis=1)[:, 0]
+      filled = jnp.where(jnp.arange(prompt_len) < last, inputs, 0)
+    else:
+      start = tokenizer_lib.EOS_ID
+      filled = models.shift_right(inputs, self.model_config.bos_id)  # <bos> SOURCE, 0...
     cache_mask = jnp.concatenate([filled != 0, jnp.ones((batch_size, max_len), bool)], axis=1)
     cache_mask = cache_mask[:, None, None, :]  # [b, 1, 1, P + max_len]
     offset = prompt_len - jnp.sum(filled != 0, axis=1)  # [b]: padding slots before decoding
@@ -286,7 +323,7 @@ class DecoderOnly(family_base.SequenceFamily):
                                 mutable=["cache"])
       return logits[:, -1], new["cache"]
 
-    return variables["cache"], tokens_to_logits, tokenizer_lib.EOS_ID
+    return variables["cache"], tokens_to_logits, start
 
 
 class EncoderClassifier(family_base.Family):

@@ -16,6 +16,7 @@ from transformer_jax import generate
 from transformer_jax import model_schema
 from transformer_jax import parallel
 from transformer_jax import tokenizer as tokenizer_lib
+from transformer_jax.data import pipeline
 
 Array = jax.Array
 
@@ -93,6 +94,10 @@ class Family(abc.ABC):
   def label_array(self, labels: list[int]) -> np.ndarray | None:
     """The examples' labels as the batches carry them (None: the family has none)."""
     return None
+
+  def prompt(self, source: list[int]) -> np.ndarray:
+    """What generation starts from for one text's source ids (predict's input)."""
+    return pipeline.with_eos(source, self.config.max_source_length)
 
   def prompts(self, encoded) -> list[np.ndarray]:
     """What generation starts from, per example of `encoded` (data/pipeline.py's Encoded:

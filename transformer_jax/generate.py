@@ -78,9 +78,10 @@ def search(cache: Any, tokens_to_logits: decoding.TokensToLogits, rng: Array, *,
   BOS / EOS) apply to every method.
   """
   d = decoding_config
-  common = dict(eos_id=tokenizer_lib.EOS_ID, max_decode_len=max_len, bos_id=start_id,
-                logits_processor=decoding.make_logits_processor(
-                    eos_id=tokenizer_lib.EOS_ID, min_length=d.min_length,
+  end_ids = tuple(d.end_ids)
+  common = dict(eos_id=tokenizer_lib.EOS_ID, end_ids=end_ids, max_decode_len=max_len,
+                bos_id=start_id, logits_processor=decoding.make_logits_processor(
+                    eos_id=tokenizer_lib.EOS_ID, end_ids=end_ids, min_length=d.min_length,
                     banned_ids=tuple(d.banned_ids), repetition_penalty=d.repetition_penalty,
                     no_repeat_ngram_size=d.no_repeat_ngram_size,
                     forced_bos_id=d.forced_bos_id, forced_eos=d.forced_eos))

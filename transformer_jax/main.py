@@ -185,7 +185,7 @@ def _pretrained_predictor():
   """The --pretrained checkpoint served with this command's config (decoding keys given on
   the command line win over its generation_config.json)."""
   from transformer_jax import predict  # pylint: disable=g-import-not-at-top
-  given = [k for k in _given_config_keys() if k.startswith("decoding.")]
+  given = [k for k in _given_config_keys() if k.startswith("decoding.") or k == "prompt_format"]
   return predict.Predictor.from_pretrained(flags.FLAGS.pretrained, flags.FLAGS.config,
                                            given_keys=given)
 

@@ -228,19 +228,23 @@ class DecoderOnly(nn.Module):
                segmentation: Array | None = None, prefix: Array | None = None, *,
                deterministic: bool = False, decode: bool = False,
                cache_mask: Array | None = None, decode_offset: Array | None = None,
-               prefix_fill: bool = False) -> Array:
+               prefix_fill: bool = False, shift: bool = True) -> Array:
     """Logits [b, len, vocab]; the arguments as `states`."""
     return self.logits(self.states(tokens, positions, segmentation, prefix,
                                    deterministic=deterministic, decode=decode,
                                    cache_mask=cache_mask, decode_offset=decode_offset,
-                                   prefix_fill=prefix_fill))
+                                   prefix_fill=prefix_fill, shift=shift))
 
   def states(self, tokens: Array, positions: Array | None = None,
              segmentation: Array | None = None, prefix: Array | None = None, *,
              deterministic: bool = False, decode: bool = False,
              cache_mask: Array | None = None, decode_offset: Array | None = None,
-             prefix_fill: bool = False) -> Array:
+             prefix_fill: bool = False, shift: bool = True) -> Array:
     """The last layer's states [b, len, emb], before the output layer.
+
+    Training reads `tokens` shifted right (`<bos>` first: logits[t] predict tokens[t]), or,
+    with `shift=False`, as they are (logits[t] predict tokens[t + 1]: a text that begins as
+    a pretrained model's tokenizer begins it, with its own BOS or none).
 
     Training: a prefix LM (`config.prefix_lm`) reads the positions marked by `prefix`
     [b, len] (its source part) both ways. Decoding a batch of right-padded prompts:
@@ -252,7 +256,7 @@ class DecoderOnly(nn.Module):
     if decode:
       inputs, mask = tokens, cache_mask
     else:
-      inputs = shift_right(tokens, c.bos_id, segmentation)
+      inputs = shift_right(tokens, c.bos_id, segmentation) if shift else tokens
       mask = self_attention_mask(tokens, segmentation, causal=True,
                                  prefix=prefix if c.prefix_lm else None)
     y = self.positions(self.embedding(inputs), positions, decode=decode,

@@ -26,8 +26,8 @@ from transformer_jax import generate
 from transformer_jax import parallel
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax import workdir as workdir_lib
-from transformer_jax.data import pipeline
 from transformer_jax.data import preparation
+from transformer_jax.data import prompt_format
 
 
 class Predictor:
@@ -86,6 +86,7 @@ class Predictor:
     if given_keys is None:
       given_keys = [f"decoding.{k}" for k, v in config.decoding.items()
                     if defaults.decoding.get(k) != v]
+      given_keys += ["prompt_format"] * (config.get("prompt_format", "task") != "task")
     config.pretrained = name_or_path
     run_config.apply(config, checkpoint, serving=True, given_keys=set(given_keys))
     if default_lengths:
@@ -135,12 +136,15 @@ class Predictor:
   def _prompts(self, texts: Sequence[str]) -> dict[int, np.ndarray]:
     """Encoded non-empty texts by position; over-long ones truncated (one warning)."""
     max_len = self.config.max_source_length
-    token_ids = {i: self.tokenizer.encode(t) for i, t in enumerate(texts) if t.strip()}
-    too_long = sum(len(ids) + 1 > max_len for ids in token_ids.values())
+    kept = [i for i, t in enumerate(texts) if t.strip()]
+    encoded, _ = prompt_format.TextEncoder(self.config, self.tokenizer).encode(
+        [texts[i] for i in kept])
+    prompts = [self.family.prompt(ids) for ids in encoded]
+    too_long = sum(not np.array_equal(p[:len(ids)], ids) for p, ids in zip(prompts, encoded))
     if too_long:
       logging.warning("%d input(s) longer than max_source_length=%d tokens were truncated.",
                       too_long, max_len)
-    return {i: pipeline.with_eos(ids, max_len) for i, ids in token_ids.items()}
+    return dict(zip(kept, prompts))
 
   def predict(self, texts: Sequence[str], **decoding_overrides) -> list[str]:
     """One output per text, in order; empty texts give empty outputs. Keyword arguments

@@ -35,8 +35,11 @@ class Tokenizer:
   def encode(self, text: str) -> list[int]:
     return self._sp.encode(text)
 
-  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-    """`encode` of every text, on all cores (SentencePiece's own threads)."""
+  def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True
+                   ) -> list[list[int]]:
+    """`encode` of every text, on all cores (SentencePiece's own threads). This tokenizer
+    adds no special tokens either way."""
+    del add_special_tokens
     return self._sp.encode(list(texts), num_threads=os.cpu_count() or 1)
 
   def encode_target_batch(self, texts: Sequence[str]) -> list[list[int]]:

@@ -13,6 +13,7 @@ from absl import logging
 
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax.data import pipeline
+from transformer_jax.data import prompt_format
 
 ENCODE_CHUNK = 100_000  # examples tokenized per batch call
 
@@ -54,12 +55,11 @@ def encode_examples(family, examples: Iterable[dict], tokenizer: tokenizer_lib.T
   progress = _Progress(len(examples) if total is None and hasattr(examples, "__len__")
                        else total)
   examples = iter(examples)
+  text = prompt_format.TextEncoder(family.config, tokenizer)
   while chunk := list(itertools.islice(examples, ENCODE_CHUNK)):
-    sources = tokenizer.encode_batch([e["source"] for e in chunk])
-    # Targets through the target-side tokenizer (Marian has one of its own).
-    targets = (tokenizer.encode_target_batch([e["target"] for e in chunk])
-               if family.generates_text
-               else [[]] * len(chunk))
+    sources, targets = text.encode([e["source"] for e in chunk],
+                                   [e["target"] for e in chunk] if family.generates_text
+                                   else None)
     chunk_features: dict[str, list[np.ndarray]] = {name: [] for name in features}
     for example, source, target in zip(chunk, sources, targets):
       too_long = len(source) + 1 > max_source or len(target) + 1 > max_target

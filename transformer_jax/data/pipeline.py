@@ -116,6 +116,17 @@ def decoder_only_example(source_ids: Sequence[int], target_ids: Sequence[int],
   return np.asarray(source + target, np.int32), weights
 
 
+def text_example(prompt_ids: Sequence[int], target_ids: Sequence[int]
+                 ) -> tuple[np.ndarray, np.ndarray]:
+  """A raw or chat example (data/prompt_format.py): the prompt's ids, then the target's (which
+  end as the format ends them), unpadded, with loss weights 0 on the prompt and 1 on the
+  target. The first token weighs 0 even without a prompt: nothing before it predicts it."""
+  weights = np.concatenate([np.zeros(len(prompt_ids), np.float32),
+                            np.ones(len(target_ids), np.float32)])
+  weights[:1] = 0.0
+  return np.asarray(list(prompt_ids) + list(target_ids), np.int32), weights
+
+
 # ---- Padding and packing -------------------------------------------------------------------
 
 def pad_rows(data: Encoded, rows: Sequence[Sequence[int]], pack: bool) -> dict[str, np.ndarray]:

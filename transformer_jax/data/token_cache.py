@@ -30,7 +30,7 @@ MANIFEST = "manifest.json"
 DATA_KEYS = ("task", "dataset", "data_dir", "local", "tfds", "huggingface", "demo", "splits",
              "mixture",
              "data_seed", "label_names", "max_source_length", "max_target_length",
-             "overlong")
+             "overlong", "prompt_format", "prompt_template", "system_prompt")
 
 
 def _data_files(data_dir: str) -> list[tuple[str, int, int]]:

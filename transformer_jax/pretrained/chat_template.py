@@ -10,6 +10,7 @@ render without reaching outside the sandbox; either failure is one line naming t
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import os
@@ -69,6 +70,8 @@ def _environment() -> sandbox.ImmutableSandboxedEnvironment:
                                               extensions=["jinja2.ext.loopcontrols"])
   env.filters["tojson"] = _tojson
   env.globals["raise_exception"] = _raise
+  # Llama 3's template writes today's date into its system turn.
+  env.globals["strftime_now"] = lambda format: datetime.datetime.now().strftime(format)
   return env
 
 

@@ -30,7 +30,7 @@ TUNABLE_MODEL_KEYS = ("dropout_rate", "attention_dropout_rate", "activation_drop
 # a training run takes them from generation_config.json where its config keeps the default
 # (banned ids: added to the config's); the search itself (method, beams, lengths) is taken
 # only when serving the checkpoint as it is.
-_TOKEN_DECODING_KEYS = ("forced_bos_id", "forced_eos", "banned_ids")
+_TOKEN_DECODING_KEYS = ("forced_bos_id", "forced_eos", "banned_ids", "end_ids")
 
 
 def files_dir(workdir: str):
@@ -90,6 +90,8 @@ def apply(config: ml_collections.ConfigDict, checkpoint: checkpoint_lib.Checkpoi
     if not family.generates_text:
       _apply_head(config, checkpoint, serving)
       return
+    if serving and family.continues_prompt and "prompt_format" not in given_keys:
+      config.prompt_format = "raw"  # text to continue, as transformers' generate reads it
     settings = generation.decoding_settings(checkpoint.generation_config, checkpoint.vocab,
                                             config.model.max_len,
                                             counts_prompt=family.continues_prompt)

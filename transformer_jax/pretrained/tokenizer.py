@@ -78,6 +78,8 @@ class PretrainedTokenizer:
       local = self._download.name
       _copy_tokenizer_files(workdir_lib.path(self._folder), local)
     self._tok = _load_hf(local, self._folder)
+    found = chat_template.find(local)
+    self._chat_template = found[0] if found else None
     hf_pad, hf_eos = _pad_and_end(self._tok)
     if hf_eos is None:
       raise ValueError(f"The tokenizer in {self._folder} has no eos token (nor a sep token "
@@ -172,12 +174,34 @@ class PretrainedTokenizer:
     """The checkpoint's ids of `text` without the trailing EOS, as internal ids."""
     return self._internal(self._tok(text)["input_ids"])
 
-  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-    """`encode` of every text, in one call of the tokenizer (Rust threads where it has them)."""
+  def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True
+                   ) -> list[list[int]]:
+    """`encode` of every text, in one call of the tokenizer (Rust threads where it has them).
+    Without `add_special_tokens`: the text's own ids only, as `apply_chat_template` tokenizes
+    a rendered chat (an end token written in the text is kept)."""
     if not texts:
       return []
-    encoded = self._tok(list(texts), return_attention_mask=False)["input_ids"]
+    encoded = self._tok(list(texts), return_attention_mask=False,
+                        add_special_tokens=add_special_tokens)["input_ids"]
+    if not add_special_tokens:
+      return [[self._to_internal[i] for i in ids] for ids in encoded]
     return [self._internal(ids) for ids in encoded]
+
+  @property
+  def has_chat_template(self) -> bool:
+    return self._chat_template is not None
+
+  def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """The checkpoint's chat template rendered for `messages` ({'role', 'content'} dicts),
+    with the variables transformers gives it (its special tokens). Raises a one-line
+    ValueError when the template refuses the conversation (its raise_exception)."""
+    variables = dict(self._tok.special_tokens_map)
+    try:
+      return chat_template.render(self._chat_template, messages,
+                                  add_generation_prompt=add_generation_prompt, **variables)
+    except Exception as e:  # pylint: disable=broad-except
+      raise ValueError(f"The chat template of {self._folder} refused the conversation "
+                       f"({type(e).__name__}: {e}).") from None
 
   def encode_target(self, text: str) -> list[int]:
     """`encode` for the decoder side: Marian splits targets with its target SentencePiece
