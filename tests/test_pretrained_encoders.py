@@ -258,18 +258,20 @@ def test_classifier_fine_tunes_and_exports(kind, num_classes, architecture, fold
 
 
 def _chat_folder(folders, tmp_path) -> str:
-  """The Qwen2 kind (ChatML template) with Qwen's end ids in generation_config.json:
-  <|end_of_text|> and <|im_end|>, which ends a reply."""
+  """The Qwen2 kind (ChatML template) set up as Llama 3 Instruct is: config.json and
+  generation_config.json list two end ids, <|end_of_text|> first, while the tokenizer's eos
+  is the second, <|im_end|>, which ends a reply."""
   folder = str(tmp_path / "qwen2_chat")
   shutil.copytree(folders("qwen2"), folder)
   tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-  path = os.path.join(folder, "generation_config.json")
-  with open(path) as f:
-    generation = json.load(f)
-  generation["eos_token_id"] = [tokenizer.eos_token_id,
-                                tokenizer.convert_tokens_to_ids("<|im_end|>")]
-  with open(path, "w") as f:
-    json.dump(generation, f)
+  ends = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+  for name, key, value in (("config.json", "eos_token_id", ends),
+                           ("generation_config.json", "eos_token_id", ends),
+                           ("tokenizer_config.json", "eos_token", "<|im_end|>")):
+    with open(os.path.join(folder, name)) as f:
+      values = json.load(f)
+    with open(os.path.join(folder, name), "w") as f:
+      json.dump(dict(values, **{key: value}), f)
   return folder
 
 
@@ -283,8 +285,10 @@ def test_chat_prompts_and_replies_equal_transformers(folders, tmp_path):
   config.update(_CHAT)
   predictor = Predictor.from_pretrained(folder, config)
   tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-  im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-  assert predictor.config.decoding.end_ids == tuple(vocab_internal(predictor, [im_end]))
+  im_end = tokenizer.eos_token_id
+  assert vocab_internal(predictor, [im_end]) == [1]  # this project's EOS
+  assert predictor.config.decoding.end_ids == tuple(vocab_internal(
+      predictor, [tokenizer.convert_tokens_to_ids("<|end_of_text|>")]))
   # A multi-turn chat with a system prompt renders to transformers' ids.
   chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"},
           {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Translate "
@@ -308,7 +312,8 @@ def test_chat_prompts_and_replies_equal_transformers(folders, tmp_path):
     assert prompt[0, -len(header):].tolist() == header  # the generation prompt
     with torch.no_grad():
       ids = model_generate(folder, prompt)
-    ends = np.flatnonzero(np.isin(ids, [tokenizer.eos_token_id, im_end]))
+    ends = np.flatnonzero(np.isin(ids, predictor.tokenizer.vocab_map.to_hf[
+        [1, *predictor.config.decoding.end_ids]]))
     expected = vocab_internal(predictor, ids[:ends[0] + 1] if len(ends) else ids)
     if len(ends):
       expected[-1] = 1  # every end token ends our outputs as EOS
@@ -394,8 +399,19 @@ def test_bad_input_is_one_line(folders, tmp_path):
   cases = [(no_tokenizer, "tokenizer"), (no_weights, "no weights"),
            (unsupported, "not supported; supported: bart, bert, gpt2"),
            (folders("bert_bare"), "without a classification head: fine-tune it first")]
-  for folder, message in cases:
-    result = cli.run_main("--pretrained", str(folder), "--mode", "predict", input="a\n")
+  # Chat asked of a checkpoint without a chat template, and of one whose template refuses the
+  # conversation (a system turn).
+  refusing = tmp_path / "refusing"
+  shutil.copytree(folders("qwen2"), refusing)
+  (refusing / "chat_template.jinja").write_text(
+      "{% if messages[0]['role'] == 'system' %}{{ raise_exception('No system turns.') }}"
+      "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+  chat = ("--config.prompt_format=chat", "--config.system_prompt=Be brief.")
+  cases += [(folders("gpt2"), "needs the checkpoint's chat template", *chat),
+            (refusing, "refused the conversation (TemplateError: No system turns.)", *chat)]
+  for folder, message, *extra in cases:
+    result = cli.run_main("--pretrained", str(folder), "--mode", "predict", *extra,
+                          input="a\n")
     assert result.returncode == 1, result.stderr[-2000:]
     assert message in cli.user_error(result.stderr), result.stderr[-2000:]
   # A checkpoint of another family than the config's task.

@@ -36,8 +36,8 @@ def decoding_settings(generation_config: dict, vocab: vocab_lib.VocabMap,
   if "forced_bos_token_id" in g:
     settings["forced_bos_id"] = int(vocab.internal(g["forced_bos_token_id"]))
   ends = g.get("eos_token_id")
-  if isinstance(ends, list) and len(ends) > 1:  # the first is the model's EOS (internal 1)
-    settings["end_ids"] = tuple(int(vocab.internal(i)) for i in ends[1:])
+  if isinstance(ends, list) and len(ends) > 1:  # one of them is the model's EOS (internal 1)
+    settings["end_ids"] = tuple(sorted({int(vocab.internal(i)) for i in ends} - {1}))
   if "forced_eos_token_id" in g:
     settings["forced_eos"] = True
   if g.get("no_repeat_ngram_size", 0) > 0:

@@ -110,3 +110,20 @@ def weight_table(hf: dict, fields: dict, names: Collection[str] | None = None) -
   if not fields["tie_output"]:
     table.append(Entry(("logits_dense", "kernel"), (OUTPUT_TENSOR,), "vocab_dense"))
   return table
+
+
+def complete_config(hf: dict, folder: str) -> dict:
+  """config.json with the tokenizer's end token first among its end ids: Llama 3 Instruct
+  lists <|end_of_text|> first, while its tokenizer (and chat template) ends a turn with
+  <|eot_id|>, the id this project ends sequences with (the others end decoding too)."""
+  ends = config_value(hf, "eos_token_id", None)
+  if not isinstance(ends, list) or len(ends) < 2:
+    return hf
+  import transformers  # pylint: disable=g-import-not-at-top
+  try:
+    eos = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True).eos_token_id
+  except Exception:  # pylint: disable=broad-except
+    return hf  # the tokenizer's own check reports what is wrong with its files
+  if eos not in ends[1:]:
+    return hf
+  return dict(hf, eos_token_id=[eos] + [i for i in ends if i != eos])
