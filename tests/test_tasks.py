@@ -188,6 +188,8 @@ HUB_VARIANTS = [
     ("multi30k", "hub", "bentrevett/multi30k"),
     ("flan_t5_dialogsum", "base,hub", "knkarthick/dialogsum"),
     ("gpt2_dialogsum", "hub", "knkarthick/dialogsum"),
+    ("llm_dialogsum", "llama3.2,hub", "knkarthick/dialogsum"),
+    ("qwen_multi30k", "hub", "bentrevett/multi30k"),
     ("bert_sst2", "hub,roberta", "stanfordnlp/sst2"),
     ("xlmr_uit_vsfc", "phobert,hub", "uitnlp/vietnamese_students_feedback"),
     ("opus_mt_multi30k", "hub", "bentrevett/multi30k"),

@@ -211,9 +211,12 @@ def _data_problems(config: ml_collections.ConfigDict) -> list[str]:
   if config.prompt_format != "task" and families.name(config) != "decoder_only":
     found.append(f"config.prompt_format={config.prompt_format!r} is for decoder-only models "
                  "(config.architecture='decoder_only'); use 'task'")
-  if config.prompt_format == "chat" and prompt_format.SOURCE_FIELD not in config.prompt_template:
+  if prompt_format.SOURCE_FIELD not in config.prompt_template:
     found.append(f"config.prompt_template={config.prompt_template!r} has no "
                  f"{prompt_format.SOURCE_FIELD} for the source text")
+  elif config.prompt_format == "task" and config.prompt_template != prompt_format.SOURCE_FIELD:
+    found.append("config.prompt_template applies to prompt_format 'raw' and 'chat'; set one "
+                 "of them, or leave the template at '{source}'")
   if config.dataset == "tfds" and not config.tfds.name:
     found.append("config.dataset='tfds' needs config.tfds.name")
   if config.dataset == "huggingface":

@@ -74,8 +74,8 @@ def get_config() -> ml_collections.ConfigDict:
   # it) or 'chat' (the source as a user message, rendered by the checkpoint's chat template;
   # the target is the assistant's reply).
   config.prompt_format = "task"
-  # 'chat': the user's message, with {source} replaced by the source text, e.g.
-  # 'Summarize this dialogue:\n{source}'.
+  # 'raw' and 'chat': the text (chat: the user's message), with {source} replaced by the
+  # source text, e.g. 'Summarize this dialogue:\n{source}'.
   config.prompt_template = "{source}"
   # 'chat': a system message before it ('' = none).
   config.system_prompt = ""

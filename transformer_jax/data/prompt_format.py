@@ -2,9 +2,10 @@
 
   task  this project's own format: the source's ids and the target's, each of which the
         family ends with EOS (a decoder-only model reads `SOURCE <eos> TARGET <eos>`).
-  raw   a decoder-only model continues the source as text, tokenized exactly as the
-        checkpoint's tokenizer does it (its own BOS where it adds one, no separator); a
-        target follows directly and ends with EOS. What transformers' `generate` reads.
+  raw   a decoder-only model continues the source as text (through `config.prompt_template`
+        where one is set), tokenized exactly as the checkpoint's tokenizer does it (its own
+        BOS where it adds one, no separator); a target follows directly and ends with EOS.
+        What transformers' `generate` reads.
   chat  the source, through `config.prompt_template` (its `{source}` replaced by the text),
         is a user message, after `config.system_prompt` where one is set; the checkpoint's
         chat template renders them with its generation prompt. A target is the assistant's
@@ -51,6 +52,8 @@ class TextEncoder:
     """(source ids, target ids) per example; no targets: empty lists."""
     if self.format == "chat":
       return self._chat(sources, targets)
+    if self.format == "raw":
+      sources = [self.template.replace(SOURCE_FIELD, s) for s in sources]
     source_ids = self.tokenizer.encode_batch(list(sources))
     if targets is None:
       return source_ids, [[] for _ in sources]
