@@ -370,6 +370,49 @@ def test_decoder_only_checkpoints_fine_tune_and_export(kind, folders, tmp_path, 
   assert predictor.config.prompt_format == config.prompt_format  # as it was trained
 
 
+_SHARDED = """
+import functools, json, sys
+sys.path.insert(0, sys.argv[1])
+import jax, numpy as np
+jax.config.update("jax_default_matmul_precision", "highest")
+from transformer_jax import families, models, parallel
+from transformer_jax.pretrained import checkpoint
+folder, tokens = sys.argv[2], np.load(sys.argv[3])
+layout = parallel.MeshParallel(data=1, fsdp=4, tensor=2)
+ck = checkpoint.open_checkpoint(folder)
+family = families.from_model_config(ck.family, models.TransformerConfig(**ck.fields))
+boxed = jax.eval_shape(functools.partial(family.init_params, boxed=True), jax.random.PRNGKey(0))
+params = layout.place_params(checkpoint.read_params(ck), boxed)
+forward = layout.compile_eval(lambda p, b: family.forward(p, b, deterministic=True))
+np.save(sys.argv[3], np.asarray(forward(params, layout.eval_batch({"targets": tokens}))))
+print("RESULT", json.dumps({"/".join(str(k.key) for k in path): list(x.sharding.spec)
+                            for path, x in jax.tree_util.tree_leaves_with_path(params)}))
+"""
+
+
+def test_sharded_import_of_a_grouped_query_model_gives_one_device_logits(folders, tmp_path):
+  """Llama with 2 key/value heads for 4 query heads on 8 devices (fsdp 4 x tensor 2): each
+  tensor-parallel device holds one key/value head and its two query heads."""
+  folder = folders("llama")
+  predictor = Predictor.from_pretrained(folder)
+  tokens = _rows(predictor, _texts("llama", 4))
+  params = predictor.layout.checkpoint_state(predictor.device_params)
+  one_device = np.asarray(predictor.family.model.apply({"params": params}, jnp.asarray(tokens),
+                                                       deterministic=True))
+  path = str(tmp_path / "tokens.npy")
+  np.save(path, tokens)
+  run = cli.subprocess.run([cli.sys.executable, "-c", _SHARDED, cli.ROOT, folder, path],
+                           env=cli.env(8), capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stderr[-3000:]
+  split = json.loads(run.stdout.split("RESULT", 1)[1])
+  real = tokens != 0
+  # Logits up to ~10 (wide random weights), summed in another order over the shards.
+  np.testing.assert_allclose(np.load(path)[real], one_device[real], atol=1e-4, rtol=0)
+  attention = "decoder/layer_1/self_attention"
+  assert split[f"{attention}/query/kernel"] == ["fsdp", None, "tensor", None]
+  assert split[f"{attention}/kv/kernel"] == ["fsdp", None, "tensor", None]
+
+
 def test_a_head_of_another_size_needs_reset_head(folders, tmp_path):
   from transformer_jax import train  # pylint: disable=import-outside-toplevel
   folder = folders("bert")  # three classes
