@@ -328,6 +328,59 @@ def test_chat_prompts_and_replies_equal_transformers(folders, tmp_path):
   assert list(features["targets"][features["weights"] == 1]) == reply
 
 
+def _write_conversations(folder: str, texts: list[str]) -> None:
+  """train / validation / test.jsonl of two-turn chats (a system turn first), and a line of
+  another shape in bad.jsonl."""
+  os.makedirs(folder, exist_ok=True)
+  for split, count in (("train", 32), ("validation", 4), ("test", 4)):
+    with open(os.path.join(folder, f"{split}.jsonl"), "w") as f:
+      for i in range(count):
+        a, b = texts[i % len(texts)], texts[(i + 1) % len(texts)]
+        chat = [{"role": "system", "content": "Repeat the first word."},
+                {"role": "user", "content": a}, {"role": "assistant", "content": a.split()[0]},
+                {"role": "user", "content": b}, {"role": "assistant", "content": b.split()[0]}]
+        f.write(json.dumps({"messages": chat}) + "\n")
+  with open(os.path.join(folder, "bad.jsonl"), "w") as f:
+    f.write(json.dumps({"messages": "Hello"}) + "\n")
+
+
+def test_chat_conversations_train_on_every_reply(folders, tmp_path, data_cache):
+  from transformer_jax import train  # pylint: disable=import-outside-toplevel
+  from transformer_jax.data import readers  # pylint: disable=import-outside-toplevel
+  folder, data = _chat_folder(folders, tmp_path), str(tmp_path / "chats")
+  texts = [t for t in _texts("qwen2", 40) if len(t.split()) > 2][:8]
+  _write_conversations(data, texts)
+  with pytest.raises(ValueError, match="bad.jsonl, line 1, field 'messages': a messages field "
+                                       "must be a list of"):
+    list(readers.iter_jsonl(data, "bad", "source", "target", "messages"))
+  # Each reply and its <|im_end|> weigh; the last one is the target, the rest the prompt.
+  config = default_config.get_config()
+  config.update(_CHAT)
+  predictor = Predictor.from_pretrained(folder, config)
+  chat = next(readers.iter_jsonl(data, "train", "", "", "messages"))["messages"]
+  text_encoder = prompt_format.TextEncoder(predictor.config, predictor.tokenizer)
+  source, weights, target = text_encoder.encode_conversation(chat)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+  whole = tokenizer.apply_chat_template(chat, tokenize=True, return_dict=False)
+  assert source + target == vocab_internal(predictor, whole)[:len(source) + len(target)]
+  replies = tokenizer(f"{chat[2]['content']}<|im_end|>{chat[4]['content']}<|im_end|>",
+                      add_special_tokens=False)["input_ids"]
+  assert [t for t, w in zip(source, weights) if w] + target == vocab_internal(predictor, replies)
+  # Fine-tuning on them lowers the loss; evaluation continues each chat's last user turn.
+  config = make_tiny_config(data_cache)
+  config.update(architecture="decoder_only", pretrained=folder, dataset="local", data_dir=data,
+                task="summarization", num_train_steps=1, eval_every_steps=8,
+                checkpoint_every_steps=8, learning_rate=1e-3, num_generate_examples=2,
+                max_source_length=96, max_target_length=16, **_CHAT)
+  config.local.update(format="jsonl", messages_field="messages")
+  config.decoding.update(method="greedy", max_decode_len=8)
+  workdir = str(tmp_path / "run")
+  first = train.train_and_evaluate(config, workdir)
+  config.num_train_steps = 8
+  last = train.train_and_evaluate(config, workdir)
+  assert np.isfinite(last["loss"]) and last["loss"] < first["loss"]
+
+
 _MODELS: dict = {}
 
 

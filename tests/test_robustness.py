@@ -157,11 +157,14 @@ def test_failed_background_save_stops_the_run_with_one_line(small_disk, data_cac
             if "error: " in line]
   assert len(errors) == 1, result.stderr[-3000:]
   message = errors[0]
-  assert message.startswith("error: Saving a checkpoint"), message
   assert "No space left on device" in message, message
   complete = _steps(workdir)  # the complete ones are still there and readable
   assert complete in ([10, 20], [10, 20, 30]), complete
-  assert f"from the last complete checkpoint ({complete[-1]})" in message
+  # Usually a checkpoint's write fails first; on a busy machine the TensorBoard file's can.
+  assert (message.startswith("error: Saving a checkpoint")
+          and f"from the last complete checkpoint ({complete[-1]})" in message) or (
+              message.startswith(f"error: No space left on device: {workdir}/")
+              and message.endswith("re-run the same command to resume)")), message
   _, step = checkpoints.restore_params(
       workdir, families.get(workdir_lib.load_config(workdir)).init_params)
   assert step == complete[-1]

@@ -131,7 +131,10 @@ def check_background_saves(checkpoints: ocp.CheckpointManager) -> None:
 
 
 def _save_failed(checkpoints: ocp.CheckpointManager, error: Exception) -> CheckpointError:
-  checkpoints.reload()  # its own list already holds the step whose save just failed
+  try:
+    checkpoints.reload()  # its own list already holds the step whose save just failed
+  except Exception:  # pylint: disable=broad-except
+    pass  # the list as it is: the message must not fail too
   complete = checkpoints.all_steps()
   return CheckpointError(
       f"Saving a checkpoint in {checkpoints.directory} failed: {_short(error)}. Check that the "

@@ -217,6 +217,12 @@ def _data_problems(config: ml_collections.ConfigDict) -> list[str]:
   elif config.prompt_format == "task" and config.prompt_template != prompt_format.SOURCE_FIELD:
     found.append("config.prompt_template applies to prompt_format 'raw' and 'chat'; set one "
                  "of them, or leave the template at '{source}'")
+  conversations = ((config.dataset == "local" and config.local.get("messages_field"))
+                   or (config.dataset == "huggingface"
+                       and config.huggingface.columns.get("messages")))
+  if conversations and config.prompt_format != "chat":
+    found.append("chat conversations (a messages field or column) train in "
+                 "config.prompt_format='chat'; set it")
   if config.dataset == "tfds" and not config.tfds.name:
     found.append("config.dataset='tfds' needs config.tfds.name")
   if config.dataset == "huggingface":

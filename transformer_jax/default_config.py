@@ -89,6 +89,7 @@ def get_config() -> ml_collections.ConfigDict:
       format="parallel",  # parallel | jsonl | tsv | label_lines | label_files
       source_lang="en", target_lang="de",  # parallel: file suffixes
       source_field="source", target_field="target",  # jsonl: field names
+      messages_field="",  # jsonl: a chat conversation's field instead ('messages'; chat format)
       text_column="sentence", label_column="label",  # tsv: header names
       text_file="sents.txt", label_file="sentiments.txt",  # label_lines: file names per split
       label_files=[],  # label_files: one file per class, class i = files[i]
@@ -108,11 +109,13 @@ def get_config() -> ml_collections.ConfigDict:
   # as a stream instead of preparing a local Arrow copy (for corpora too large for the disk).
   # columns: the source / target / label fields, 'translation.en' for one inside a dict
   # column; '' = the usual names (dialogue / summary, sentence / label, ...). A ClassLabel
-  # label column gives config.label_names. See transformer_jax/data/hf_source.py.
+  # label column gives config.label_names; messages: a column of chat conversations (lists
+  # of {role, content} turns) instead of source / target, for prompt_format 'chat'. See
+  # transformer_jax/data/hf_source.py.
   config.huggingface = ml_collections.ConfigDict(dict(
       name="", subset="", revision="", streaming=False,
       data_files=ml_collections.ConfigDict(dict(train="", validation="", test="")),
-      columns=ml_collections.ConfigDict(dict(source="", target="", label=""))))
+      columns=ml_collections.ConfigDict(dict(source="", target="", label="", messages=""))))
   # Our split -> the file stem (local) or split name (tfds, huggingface) that holds it.
   config.splits = ml_collections.ConfigDict(dict(
       train="train", validation="validation", test="test"))

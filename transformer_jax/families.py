@@ -120,7 +120,8 @@ class EncoderDecoder(family_base.SequenceFamily):
   def feature_lengths(self) -> dict[str, int]:
     return {"inputs": self.config.max_source_length, "targets": self.config.max_target_length}
 
-  def example_features(self, source, target):
+  def example_features(self, source, target, source_weights=None):
+    del source_weights  # decoder-only chat conversations only
     return {"inputs": pipeline.with_eos(source, self.config.max_source_length),
             "targets": pipeline.with_eos(target, self.config.max_target_length)}
 
@@ -245,11 +246,12 @@ class DecoderOnly(family_base.SequenceFamily):
     length = self.config.max_source_length + self.config.max_target_length
     return {"targets": length, "weights": length}
 
-  def example_features(self, source, target):
+  def example_features(self, source, target, source_weights=None):
     # The source is cut to its own budget, so the prompt fits the same length at inference.
     max_source, max_target = self.config.max_source_length, self.config.max_target_length
     if self.unshifted:
-      tokens, weights = pipeline.text_example(self.prompt(source), target[:max_target])
+      weights = self._cut(source_weights) if source_weights is not None else None
+      tokens, weights = pipeline.text_example(self.prompt(source), target[:max_target], weights)
     else:
       tokens, weights = pipeline.decoder_only_example(
           source[:max_source - 1], target[:max_target - 1], max_source + max_target)
@@ -259,14 +261,25 @@ class DecoderOnly(family_base.SequenceFamily):
     if not self.unshifted:
       return super().prompt(source)
     # An empty text starts from the start token (GPT-2's <|endoftext|>, as transformers does).
-    return np.asarray(list(source)[:self.config.max_source_length] or [self.model_config.bos_id],
-                      np.int32)
+    return np.asarray(self._cut(source) or [self.model_config.bos_id], np.int32)
+
+  def _cut(self, source) -> list:
+    """A raw or chat source in max_source_length: a text keeps its start, a chat its end
+    (the latest turns and the generation prompt)."""
+    n = self.config.max_source_length
+    return list(source)[-n:] if self.config.prompt_format == "chat" else list(source)[:n]
 
   def prompts(self, encoded: pipeline.Encoded) -> list[np.ndarray]:
-    """The prompt part (loss weight 0: `SOURCE <eos>`, or a raw / chat prompt) of each
-    example's tokens."""
-    return [tokens[weights == 0] for tokens, weights in
-            zip(encoded.features["targets"], encoded.features["weights"])]
+    """What each example's output follows: `SOURCE <eos>` (loss weight 0), or the raw or
+    chat prompt before the final reply (a conversation's earlier replies weigh too)."""
+    prompts = []
+    for tokens, weights in zip(encoded.features["targets"], encoded.features["weights"]):
+      if self.unshifted:  # all before the trailing weighted run (the final reply)
+        unweighted = np.flatnonzero(weights == 0)
+        prompts.append(tokens[:unweighted[-1] + 1 if len(unweighted) else 0])
+      else:
+        prompts.append(tokens[weights == 0])
+    return prompts
 
   def max_decode_len(self, decoding_config, source_len):
     # The prompt and the output share the model's positions.
@@ -350,7 +363,8 @@ class EncoderClassifier(family_base.Family):
   def feature_lengths(self) -> dict[str, int]:
     return {"inputs": self.config.max_source_length}
 
-  def example_features(self, source, target):
+  def example_features(self, source, target, source_weights=None):
+    del source_weights  # decoder-only chat conversations only
     return {"inputs": pipeline.with_eos(source, self.config.max_source_length)}
 
   def label_array(self, labels: list[int]) -> np.ndarray:

@@ -87,9 +87,11 @@ class Family(abc.ABC):
     """Padded length of each token feature."""
 
   @abc.abstractmethod
-  def example_features(self, source: list[int], target: list[int]) -> dict[str, np.ndarray]:
+  def example_features(self, source: list[int], target: list[int],
+                       source_weights: list[float] | None = None) -> dict[str, np.ndarray]:
     """One example's token features from its source (and target) token ids (data/features.py
-    encodes whole splits with it)."""
+    encodes whole splits with it); `source_weights`: a chat conversation's loss weights over
+    its source (its earlier replies)."""
 
   def label_array(self, labels: list[int]) -> np.ndarray | None:
     """The examples' labels as the batches carry them (None: the family has none)."""

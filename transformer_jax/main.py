@@ -110,7 +110,9 @@ def _fail(message: str, code: int) -> None:
 
 def _one_line(error: Exception) -> str:
   if isinstance(error, OSError) and error.strerror:
-    return f"{error.strerror}: {error.filename or ''} (check the path, its permissions and free space)"
+    resume = "; then re-run the same command to resume" if flags.FLAGS.mode == "train" else ""
+    return (f"{error.strerror}: {error.filename or ''} (check the path, its permissions and "
+            f"free space{resume})")
   return " ".join(str(error).split())
 
 

@@ -121,8 +121,11 @@ class EventFileWriter:
         self._written += pending
         self._file.write_bytes(bytes(self._written))
       else:
-        with self._file.open("ab") as f:
-          f.write(pending)
+        try:
+          with self._file.open("ab") as f:
+            f.write(pending)
+        except OSError as e:  # a full disk: name the file (the error itself does not)
+          raise OSError(e.errno, e.strerror, str(self._file)) from None
     if self._remote and len(self._written) > self._max_object_bytes:
       self._start_file()
 

@@ -57,16 +57,21 @@ def encode_examples(family, examples: Iterable[dict], tokenizer: tokenizer_lib.T
   examples = iter(examples)
   text = prompt_format.TextEncoder(family.config, tokenizer)
   while chunk := list(itertools.islice(examples, ENCODE_CHUNK)):
-    sources, targets = text.encode([e["source"] for e in chunk],
-                                   [e["target"] for e in chunk] if family.generates_text
-                                   else None)
+    if "messages" in chunk[0]:  # whole chat conversations
+      sources, source_weights, targets = zip(*(text.encode_conversation(e["messages"])
+                                               for e in chunk))
+    else:
+      sources, targets = text.encode([e["source"] for e in chunk],
+                                     [e["target"] for e in chunk] if family.generates_text
+                                     else None)
+      source_weights = [None] * len(chunk)
     chunk_features: dict[str, list[np.ndarray]] = {name: [] for name in features}
-    for example, source, target in zip(chunk, sources, targets):
+    for example, source, target, weights in zip(chunk, sources, targets, source_weights):
       too_long = len(source) + 1 > max_source or len(target) + 1 > max_target
       overlong += too_long
       if too_long and drop_overlong:
         continue
-      for feature, value in family.example_features(source, target).items():
+      for feature, value in family.example_features(source, target, weights).items():
         chunk_features[feature].append(value)
       if not family.generates_text:
         labels.append(example["label"])

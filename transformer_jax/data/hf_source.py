@@ -35,6 +35,7 @@ from absl import logging
 
 from transformer_jax import tasks
 from transformer_jax import workdir as workdir_lib
+from transformer_jax.data import prompt_format
 
 BUILDERS = ("parquet", "json", "csv", "arrow", "text")
 # Field names tried, in order, when config.huggingface.columns leaves one empty.
@@ -341,6 +342,9 @@ def stream(config: ml_collections.ConfigDict, split: str, shard_index: int = 0,
   data = open_split(config, split)
   classify = tasks.has_labels(config.task)
   roles = ("source", "label") if classify else ("source", "target")
+  chats = bool(config.huggingface.columns.get("messages"))
+  if chats:
+    roles = ("messages",)
   paths = {role: _field_path(config, role, data.features, split) for role in roles}
   names = list(config.label_names)
   if isinstance(data, datasets.Dataset):  # memory-mapped Arrow, read by index
@@ -355,7 +359,11 @@ def stream(config: ml_collections.ConfigDict, split: str, shard_index: int = 0,
 
   def examples():
     for row in rows:
-      if classify:
+      if chats:
+        yield prompt_format.conversation_example(
+            row["messages"], f"Dataset {_what(config)} split {split}, column "
+                             f"{config.huggingface.columns.messages!r}")
+      elif classify:
         yield {"source": _text(row["source"]), "label": _label(row["label"], names, config,
                                                                split)}
       else:

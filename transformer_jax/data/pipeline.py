@@ -116,13 +116,16 @@ def decoder_only_example(source_ids: Sequence[int], target_ids: Sequence[int],
   return np.asarray(source + target, np.int32), weights
 
 
-def text_example(prompt_ids: Sequence[int], target_ids: Sequence[int]
-                 ) -> tuple[np.ndarray, np.ndarray]:
+def text_example(prompt_ids: Sequence[int], target_ids: Sequence[int],
+                 prompt_weights: Sequence[float] | None = None) -> tuple[np.ndarray, np.ndarray]:
   """A raw or chat example (data/prompt_format.py): the prompt's ids, then the target's (which
-  end as the format ends them), unpadded, with loss weights 0 on the prompt and 1 on the
-  target. The first token weighs 0 even without a prompt: nothing before it predicts it."""
-  weights = np.concatenate([np.zeros(len(prompt_ids), np.float32),
-                            np.ones(len(target_ids), np.float32)])
+  end as the format ends them), unpadded, with loss weights 0 on the prompt (or
+  `prompt_weights`: a conversation's earlier replies) and 1 on the target. The first token
+  weighs 0 even without a prompt: nothing before it predicts it."""
+  weights = np.concatenate([
+      np.zeros(len(prompt_ids), np.float32) if prompt_weights is None
+      else np.asarray(prompt_weights, np.float32)[:len(prompt_ids)],
+      np.ones(len(target_ids), np.float32)])
   weights[:1] = 0.0
   return np.asarray(list(prompt_ids) + list(target_ids), np.int32), weights
 

@@ -11,6 +11,10 @@
         chat template renders them with its generation prompt. A target is the assistant's
         reply as the template renders it, up to and including its end token.
 
+Chat data may also come as whole conversations (a `messages` field of {role, content} turns,
+the shape of public SFT sets: `conversation_example`): the template renders the conversation,
+and every assistant turn carries loss, the last one being what evaluation generates.
+
 Raw and chat prompts are tokenized as `apply_chat_template` does (the rendered text, no
 special tokens added: the template writes its own). Nothing here runs the model.
 """
@@ -29,6 +33,22 @@ SOURCE_FIELD = "{source}"  # where config.prompt_template puts the source text
 
 class PromptFormatError(ValueError):
   """A prompt the format cannot make (no chat template, a template that refuses)."""
+
+
+def conversation_example(messages, where: str) -> dict:
+  """An example of a `messages` field: the turns, the last user turn as its source (shown in
+  evaluation samples) and the last assistant turn as its target (the reference). Raises a
+  one-line ValueError naming `where` for anything but {role, content} string turns that end
+  with an assistant turn."""
+  well_formed = isinstance(messages, list) and messages and all(
+      isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+      for m in messages)
+  if not well_formed or messages[-1]["role"] != "assistant":
+    raise ValueError(f"{where}: a messages field must be a list of {{'role', 'content'}} turns "
+                     f"(strings) ending with an assistant turn; got {str(messages)[:120]}.")
+  users = [m["content"] for m in messages if m["role"] == "user"]
+  return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages],
+          "source": users[-1] if users else "", "target": messages[-1]["content"]}
 
 
 class TextEncoder:
@@ -86,10 +106,47 @@ class TextEncoder:
     return source_ids, [self._up_to_end(ids) for ids in
                         self.tokenizer.encode_batch(replies, add_special_tokens=False)]
 
+  def encode_conversation(self, messages: list[dict]
+                          ) -> tuple[list[int], list[float], list[int]]:
+    """A whole conversation (`conversation_example`'s messages) in the chat format: (the ids
+    up to its last reply, their loss weights: 1 on each earlier reply and its end token, the
+    last reply's ids). Each turn is tokenized apart, as single-turn chats are."""
+    if self.format != "chat":
+      raise PromptFormatError("Data with a messages field trains in config.prompt_format="
+                              "'chat'; set it.")
+    render = self.tokenizer.render_chat
+    whole = render(messages, add_generation_prompt=False)
+    texts, weighted, done = [], [], 0
+    for i, message in enumerate(messages):
+      if message["role"] != "assistant":
+        continue
+      context = render(messages[:i], add_generation_prompt=True)
+      through = render(messages[:i + 1], add_generation_prompt=False)
+      if not (whole.startswith(context) and whole.startswith(through)
+              and done <= len(context) <= len(through)):
+        raise PromptFormatError(
+            "The chat template renders earlier turns of a conversation differently once later "
+            "ones follow (some drop earlier reasoning), so replies cannot be told apart in "
+            "it: train on single-turn source / target pairs instead.")
+      texts += [whole[done:len(context)], whole[len(context):len(through)]]
+      weighted += [False, True]
+      done = len(through)
+    pieces = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+    ids, weights = [], []
+    for piece, is_reply in zip(pieces[:-1], weighted):
+      # A reply weighs through its end token; what follows (a line break before the next
+      # turn) is the template's, not the model's to write.
+      end = self._end(piece) if is_reply else 0
+      ids += piece
+      weights += [1.0] * end + [0.0] * (len(piece) - end)
+    return ids, weights, self._up_to_end(pieces[-1])
+
+  def _end(self, ids: list[int]) -> int:
+    """How many of a reply's ids run through its first end token (all if it has none)."""
+    return next((i + 1 for i, token in enumerate(ids) if token in self.end_ids), len(ids))
+
   def _up_to_end(self, ids: list[int]) -> list[int]:
     """A reply's ids through its first end token (what follows it, such as a line break
     before the next turn, is not the model's to write); EOS added where there is none."""
-    for i, token in enumerate(ids):
-      if token in self.end_ids:
-        return ids[:i + 1]
-    return ids + [tokenizer_lib.EOS_ID]
+    end = self._end(ids)
+    return ids[:end] if end and ids[end - 1] in self.end_ids else ids + [tokenizer_lib.EOS_ID]

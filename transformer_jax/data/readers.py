@@ -24,6 +24,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from transformer_jax.data import prompt_format
+
 
 def find_file(data_dir: str, name: str) -> str:
   """`data_dir/name`, or its `.gz`; a clear error naming both when neither exists."""
@@ -99,11 +101,21 @@ def _first_present(names: str, available) -> str | None:
 
 
 def iter_jsonl(data_dir: str, split_file: str, source_field: str,
-               target_field: str) -> Iterator[dict]:
-  """Fields may list alternatives, 'summary|summary1': the first present is used."""
+               target_field: str, messages_field: str = "") -> Iterator[dict]:
+  """Fields may list alternatives, 'summary|summary1': the first present is used. With
+  `messages_field`, each record is a chat conversation (prompt_format.conversation_example)."""
   path = find_file(data_dir, f"{split_file}.jsonl")
   for number, line in enumerate(iter_lines(path), start=1):
     if not line.strip():
+      continue
+    if messages_field:
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path}, line {number}: not JSON ({e}).") from None
+      yield prompt_format.conversation_example(
+          record.get(messages_field) if isinstance(record, dict) else None,
+          f"{path}, line {number}, field {messages_field!r}")
       continue
     try:
       record = json.loads(line)

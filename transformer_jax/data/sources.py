@@ -48,7 +48,8 @@ def _local_reader(config: ml_collections.ConfigDict, split: str):
   readers_by_format = {
       "parallel": lambda: readers.iter_parallel(data_dir, name, local.source_lang,
                                                 local.target_lang),
-      "jsonl": lambda: readers.iter_jsonl(data_dir, name, local.source_field, local.target_field),
+      "jsonl": lambda: readers.iter_jsonl(data_dir, name, local.source_field, local.target_field,
+                                          local.get("messages_field", "")),
       "tsv": lambda: readers.read_tsv(data_dir, name, local.text_column, local.label_column),
       "label_lines": lambda: readers.read_label_lines(data_dir, name, local.text_file,
                                                       local.label_file),
