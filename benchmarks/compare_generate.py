@@ -1,9 +1,11 @@
 """Generation speed against transformers `generate` on the same Hugging Face folder.
 
   python benchmarks/compare_generate.py --pretrained DIR [--batch_sizes 1,8,32] \
-      [--methods greedy,beam4,sample] [--new_tokens 64] [--rounds 3] [--threads 2]
+      [--methods greedy,beam4,sample] [--new_tokens 64] [--prompt_tokens 0] [--rounds 3] \
+      [--threads 2]
   # A folder of random weights at a known size first (no download needed): gpt2 (124M,
-  # decoder-only) or t5-small (60M, encoder-decoder), with a small trained tokenizer:
+  # decoder-only), smollm2-135m (Llama blocks, GQA) or t5-small (60M, encoder-decoder), with
+  # a small trained tokenizer:
   python benchmarks/compare_generate.py --make gpt2 --pretrained /tmp/gpt2_size
 
 Both sides decode the same prompts (the same token ids: ours as `Predictor.from_pretrained`
@@ -35,6 +37,11 @@ METHODS = {"greedy": dict(method="greedy"), "beam4": dict(method="beam", beam_si
 SIZES = {
     "gpt2": dict(model_type="gpt2", n_embd=768, n_layer=12, n_head=12, n_positions=1024,
                  vocab_size=50257),
+    # HuggingFaceTB/SmolLM2-135M's sizes: Llama blocks, 3 key/value heads for 9, tied output.
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         max_position_embeddings=2048, vocab_size=49152, rope_theta=100000.0,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True),
     "t5-small": dict(model_type="t5", d_model=512, d_kv=64, d_ff=2048, num_layers=6,
                      num_heads=8, vocab_size=32128, feed_forward_proj="relu",
                      tie_word_embeddings=True, decoder_start_token_id=0),
@@ -50,7 +57,12 @@ def make_folder(size: str, folder: str) -> None:
   torch.manual_seed(0)
   texts = hf_fixtures.model_sentences("en")
   hf = dict(SIZES[size])
-  if hf.pop("model_type") == "gpt2":
+  model_type = hf.pop("model_type")
+  if model_type == "llama":
+    files = hf_fixtures.llama_tokenizer_files(folder, texts, vocab_size=800)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **hf, bos_token_id=files.tokenizer.bos_token_id, eos_token_id=files.eos_id))
+  elif model_type == "gpt2":
     files = hf_fixtures.gpt2_tokenizer_files(folder, texts, vocab_size=800)
     end = files.eos_id  # the tokenizer's <|endoftext|>
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
@@ -62,29 +74,36 @@ def make_folder(size: str, folder: str) -> None:
   model.save_pretrained(folder)
 
 
-def prompts(folder: str, batch_size: int) -> tuple[list, list[list[int]]]:
-  """Our prompts (internal ids) and the same as the checkpoint's ids, `batch_size` of them."""
+def prompts(folder: str, batch_size: int, length: int = 0) -> tuple[list, list[list[int]]]:
+  """Our prompts (internal ids) and the same as the checkpoint's ids, `batch_size` of them:
+  a sentence each, or with `length` that many tokens of running text."""
   from tests import hf_fixtures  # pylint: disable=g-import-not-at-top
   from transformer_jax import predict  # pylint: disable=g-import-not-at-top
   predictor = predict.Predictor.from_pretrained(folder)
   texts = hf_fixtures.model_sentences("en")
+  if length:  # sentences joined until the prompt has `length` tokens, then cut there
+    texts = [" ".join(texts[i:i + length]) for i in range(batch_size)]
   ours = list(predictor._prompts([texts[i % len(texts)] for i in range(batch_size)]).values())  # pylint: disable=protected-access
+  if length:
+    ours = [p[:length] for p in ours]
+    assert all(len(p) == length for p in ours), "the sentences are too short"
   return predictor, ours, [predictor.tokenizer.to_hf(p) for p in ours]
 
 
-def run_ours(folder: str, method: str, batch_size: int, new_tokens: int):
-  predictor, ours, _ = prompts(folder, batch_size)
+def run_ours(folder: str, method: str, batch_size: int, new_tokens: int, length: int = 0):
+  predictor, ours, _ = prompts(folder, batch_size, length)
   # max_decode_len counts the EOS too: EOS held back for new_tokens - 1 steps, N steps run.
   decoding = predictor.decoding_config(**METHODS[method], min_length=new_tokens - 1,
                                        max_decode_len=new_tokens)
   return lambda: predictor.output_ids(ours, 1, decoding)
 
 
-def run_torch(folder: str, method: str, batch_size: int, new_tokens: int, threads: int):
+def run_torch(folder: str, method: str, batch_size: int, new_tokens: int, threads: int,
+              length: int = 0):
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   torch.set_num_threads(threads)
-  _, _, hf_prompts = prompts(folder, batch_size)
+  _, _, hf_prompts = prompts(folder, batch_size, length)
   config = transformers.AutoConfig.from_pretrained(folder)
   auto = (transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder
           else transformers.AutoModelForCausalLM)
@@ -128,9 +147,11 @@ def read_bandwidth() -> float:
 def measure(args) -> dict:
   """One side's tokens per second (median of --rounds calls after a warm-up)."""
   if args.side == "ours":
-    call = run_ours(args.pretrained, args.method, args.batch, args.new_tokens)
+    call = run_ours(args.pretrained, args.method, args.batch, args.new_tokens,
+                    args.prompt_tokens)
   else:
-    call = run_torch(args.pretrained, args.method, args.batch, args.new_tokens, args.threads)
+    call = run_torch(args.pretrained, args.method, args.batch, args.new_tokens, args.threads,
+                     args.prompt_tokens)
   call()
   times = []
   for _ in range(args.rounds):
@@ -160,6 +181,7 @@ def main():
   parser.add_argument("--batch_sizes", default="1,8,32")
   parser.add_argument("--methods", default="greedy,beam4,sample")
   parser.add_argument("--new_tokens", type=int, default=64)
+  parser.add_argument("--prompt_tokens", type=int, default=0)  # 0: a sentence each
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--threads", type=int, default=os.cpu_count())
   parser.add_argument("--side", choices=["ours", "torch"])  # internal: one measurement
@@ -182,6 +204,7 @@ def main():
         out = subprocess.run(
             [sys.executable, __file__, "--side", side, "--pretrained", args.pretrained,
              "--method", method, "--batch", str(batch), "--new_tokens", str(args.new_tokens),
+             "--prompt_tokens", str(args.prompt_tokens),
              "--rounds", str(args.rounds), "--threads", str(args.threads)],
             capture_output=True, text=True, check=False,
             env=dict(os.environ, JAX_PLATFORMS="cpu"))
