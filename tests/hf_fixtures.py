@@ -214,21 +214,40 @@ def llama_tokenizer_files(folder: str, texts: list[str], vocab_size: int = 800) 
   ChatML's `<|im_start|>` / `<|im_end|>` the last ids; no pad; CHATML_TEMPLATE its chat
   template. (Qwen2's tokenizer class pads with its `<|endoftext|>`: a token of the
   vocabulary, as in the Qwen checkpoints.)"""
-  import tokenizers  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
   bos, eos, qwen_pad = "<|begin_of_text|>", "<|end_of_text|>", "<|endoftext|>"
   special = [bos, eos, qwen_pad, "<|im_start|>", "<|im_end|>"]
-  _byte_level_bpe(folder, texts, vocab_size - len(special), [], special)
+  return _bos_bpe(folder, texts, vocab_size - len(special), [], special,
+                  chat_template=CHATML_TEMPLATE, bos_token=bos, eos_token=eos)
+
+
+def gemma_tokenizer_files(folder: str, texts: list[str], vocab_size: int = 800) -> TokenizerFiles:
+  """Gemma's ids: `<pad>`=0, `<eos>`=1, `<bos>`=2 (which the tokenizer puts before every text),
+  `<unk>`=3, in one tokenizer.json of a byte-level BPE (Gemma's own is a SentencePiece BPE: the
+  ids and special tokens are what an import reads)."""
+  specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+  return _bos_bpe(folder, texts, vocab_size, specials, [], pad_token="<pad>",
+                  eos_token="<eos>", bos_token="<bos>", unk_token="<unk>")
+
+
+def _bos_bpe(folder: str, texts: list[str], vocab_size: int, first: list[str],
+             last: list[str], chat_template: str | None = None, **tokens) -> TokenizerFiles:
+  """A byte-level BPE (see _byte_level_bpe) that puts its `bos_token` before every text, saved
+  as one tokenizer.json with the special `tokens` (bos_token=..., eos_token=...) and the
+  `chat_template` if given."""
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  _byte_level_bpe(folder, texts, vocab_size, first, last)
   vocab, merges = (os.path.join(folder, name) for name in ("vocab.json", "merges.txt"))
   bpe = tokenizers.ByteLevelBPETokenizer(vocab, merges)
-  bpe.add_special_tokens(special)
+  bpe.add_special_tokens(first + last)
+  bos = tokens["bos_token"]
   bpe.post_processor = tokenizers.processors.TemplateProcessing(
       single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bpe.token_to_id(bos))])
   os.remove(vocab)
   os.remove(merges)
-  tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=bos,
-                                                   eos_token=eos)
-  tokenizer.chat_template = CHATML_TEMPLATE
+  tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, **tokens)
+  if chat_template:
+    tokenizer.chat_template = chat_template
   tokenizer.save_pretrained(folder)
   return _reloaded(folder)
 
@@ -356,10 +375,24 @@ KINDS = {
     # heads, llama3 RoPE scaling past a 16-token original context, biases on q/k/v/o, its own
     # lm_head; bos <|begin_of_text|> added by the tokenizer, eos <|end_of_text|>, no pad.
     "llama": Kind("llama", DECODER_ONLY, "llama", "llama", untied=True),
-    # Mistral: multi-query (1 key/value head), a 32-token sliding window, tied output.
+    # Mistral: multi-query (1 key/value head), an 8-token sliding window on every layer (shorter
+    # than the prompts), tied output.
     "mistral": Kind("mistral", DECODER_ONLY, "llama", "llama"),
     # Qwen2: biases on q/k/v only, 2 key/value heads, linear RoPE scaling, tied output.
     "qwen2": Kind("qwen2", DECODER_ONLY, "llama", "llama"),
+    # Qwen3: per-head query and key norms, head_dim 16 (not 32 / 4), 2 key/value heads, an
+    # 8-token window on its second layer only (max_window_layers 1), no biases, tied output.
+    "qwen3": Kind("qwen3", DECODER_ONLY, "llama", "llama"),
+    # The Gemmas (Gemma's ids: pad 0, eos 1, bos 2): (1 + w) norms, embeddings x sqrt(hidden),
+    # tanh-GeGLU, 2 key/value heads of 16 dimensions (not 32 / 4), tied output. Gemma with
+    # q/k/v/o biases; Gemma 2 with post-sublayer norms, query_pre_attn_scalar 8 (not 16),
+    # attention and final soft caps that bite (5 and 3) and an 8-token window on its first
+    # layer; Gemma 3 with q/k norms besides, its own RoPE base on the windowed layer, linear
+    # RoPE scaling on the global one, a final soft cap (and an attention cap that transformers
+    # ignores).
+    "gemma": Kind("gemma", DECODER_ONLY, "gemma", "gemma"),
+    "gemma2": Kind("gemma2", DECODER_ONLY, "gemma", "gemma"),
+    "gemma3_text": Kind("gemma3_text", DECODER_ONLY, "gemma", "gemma"),
 }
 ALL_KINDS = tuple(KINDS)
 _of_family = lambda family: tuple(k for k, kind in KINDS.items() if kind.family == family)
@@ -405,6 +438,8 @@ _TOKENIZER_BUILDERS = {
              lambda folder, texts: gpt2_tokenizer_files(folder, texts, vocab_size=800)),
     "llama": (lambda en, de, vi: (en + de,),
               lambda folder, texts: llama_tokenizer_files(folder, texts, vocab_size=800)),
+    "gemma": (lambda en, de, vi: (en + de,),
+              lambda folder, texts: gemma_tokenizer_files(folder, texts, vocab_size=800)),
 }
 
 
@@ -590,7 +625,7 @@ def _encoder(kind: str, files: TokenizerFiles, generation: dict,
 
 
 def _llama(kind: str, files: TokenizerFiles, generation: dict, labels):
-  """Llama, Mistral, Qwen2: (model class, config), each with the quirks KINDS names."""
+  """Llama, Mistral, Qwen2, Qwen3: (model class, config), each with the quirks KINDS names."""
   del generation, labels
   import transformers  # pylint: disable=import-outside-toplevel
   tokenizer = files.tokenizer
@@ -606,21 +641,51 @@ def _llama(kind: str, files: TokenizerFiles, generation: dict, labels):
             high_freq_factor=4.0, original_max_position_embeddings=16))
   if kind == "mistral":
     return transformers.MistralForCausalLM, transformers.MistralConfig(
-        **sizes, num_key_value_heads=1, sliding_window=32, tie_word_embeddings=True)
+        **sizes, num_key_value_heads=1, sliding_window=8, tie_word_embeddings=True)
+  if kind == "qwen3":
+    return transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
+        **sizes, num_key_value_heads=2, head_dim=16, use_sliding_window=True, sliding_window=8,
+        max_window_layers=1, tie_word_embeddings=True)
   return transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
       **sizes, num_key_value_heads=2, tie_word_embeddings=True,
       rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0))
+
+
+def _gemma(kind: str, files: TokenizerFiles, generation: dict, labels):
+  """Gemma, Gemma 2, Gemma 3 (text): (model class, config), with the quirks KINDS names."""
+  del generation, labels
+  import transformers  # pylint: disable=import-outside-toplevel
+  tokenizer = files.tokenizer
+  sizes = dict(vocab_size=files.vocab_size, hidden_size=32, intermediate_size=64,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               max_position_embeddings=128, initializer_range=0.3, rms_norm_eps=1e-5,
+               pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+               eos_token_id=tokenizer.eos_token_id)
+  if kind == "gemma":
+    return transformers.GemmaForCausalLM, transformers.GemmaConfig(
+        **sizes, attention_bias=True, rope_parameters=dict(rope_type="default",
+                                                          rope_theta=1000.0))
+  window = dict(sliding_window=8, query_pre_attn_scalar=8, attn_logit_softcapping=5.0,
+                final_logit_softcapping=3.0)
+  if kind == "gemma2":
+    return transformers.Gemma2ForCausalLM, transformers.Gemma2Config(**sizes, **window)
+  # Gemma 3's attention cap is set too: transformers never applies it, and nor may an import.
+  return transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(
+      **sizes, **window, layer_types=["sliding_attention", "full_attention"],
+      rope_parameters=dict(sliding_attention=dict(rope_type="default", rope_theta=100.0),
+                           full_attention=dict(rope_type="linear", rope_theta=10000.0,
+                                               factor=2.0)))
 
 
 # Model builder -> (kind, tokenizer files, generation_config values, labels) -> (model class,
 # config); it may add generation values (Marian's banned pad).
 _MODEL_BUILDERS = {"t5": _t5, "bart": _bart, "marian": _marian, "bert": _encoder,
                    "roberta": _encoder, "xlm-roberta": _encoder, "gpt2": _gpt2,
-                   "llama": _llama}
+                   "llama": _llama, "gemma": _gemma}
 
 
 def _is_norm(name: str) -> bool:
   """Whether a parameter is a layer norm's: BERT's `LayerNorm`, GPT-2's `ln_1`, `ln_f`,
-  Llama's `input_layernorm` and final `norm`."""
+  Llama's and Gemma's `*_layernorm`, q/k norms (`q_norm`, `k_norm`) and final `norm`."""
   return ("layernorm" in name.lower() or ".ln_" in f".{name}"
           or name.endswith("norm.weight"))

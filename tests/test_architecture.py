@@ -274,5 +274,5 @@ def test_the_readme_table_names_exactly_the_registered_model_types():
   first = next(i for i, line in enumerate(lines) if line.startswith("|"))
   table = list(itertools.takewhile(lambda line: line.startswith("|"), lines[first:]))[2:]
   # The checkpoints column names each model_type in backticks.
-  named = {name for line in table for name in re.findall(r"`([a-z0-9-]+)`", line.split("|")[2])}
+  named = {name for line in table for name in re.findall(r"`([a-z0-9_-]+)`", line.split("|")[2])}
   assert named == set(architecture.MODEL_TYPES)

@@ -33,10 +33,16 @@ VARIANTS = {
     "rope_mqa_swiglu": dict(position_embedding="rope", num_kv_heads=1, ffn_activation="swiglu"),
     "prefix_lm": dict(prefix_lm=True),
     "prefix_rope_gqa": dict(prefix_lm=True, position_embedding="rope", num_kv_heads=2),
+    # Gemma 2 / 3's options (tests/test_llm_options.py): a 3-token window on alternate layers,
+    # shorter than the rows, with a RoPE base of its own; soft caps, q/k and (1 + w) norms.
+    "gemma": dict(position_embedding="rope", pre_ln=True, norm="rmsnorm", norm_plus_one=True,
+                  post_sublayer_norm=True, qk_norm=True, num_kv_heads=2, attention_softcap=2.0,
+                  logits_softcap=3.0, query_pre_attn_scalar=5.0, sliding_window=3,
+                  sliding_window_pattern="LG", local_position_base=100.0),
 }
 # Every option alone and all together, for the tests run per variant (the suite's time is
 # budgeted: "gqa" and "rope_mqa_swiglu" are covered by the grouped-attention tests below).
-EACH_OPTION = ("rope", "mqa", "rope_gqa_swiglu")
+EACH_OPTION = ("rope", "mqa", "rope_gqa_swiglu", "gemma")
 DECODER_ONLY_OPTIONS = EACH_OPTION + ("prefix_lm", "prefix_rope_gqa")
 TOL = dict(rtol=1e-5, atol=1e-5)
 

@@ -20,16 +20,19 @@ from tests import cli
 from tests import hf_fixtures
 from tests.conftest import make_tiny_config
 from transformer_jax import default_config
+from transformer_jax import model_schema
 from transformer_jax import models
 from transformer_jax.data import pipeline
 from transformer_jax.data import prompt_format
 from transformer_jax.predict import Predictor
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
+from transformer_jax.pretrained import mapping
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 CLASSIFIERS = ("bert", "roberta", "xlm-roberta")
+WINDOWED = ("mistral", "qwen3", "gemma2", "gemma3_text")  # an 8-token sliding window
 LENGTH = 24  # tokens per padded row
 
 
@@ -149,22 +152,27 @@ def _logits_against_pytorch(predictor: Predictor, model, kind: str, count: int =
   return ours, theirs, real
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma",
+                                  "gemma2", "gemma3_text"])
 def test_decoder_only_logits_and_greedy_continuations_equal_pytorch(kind, folders):
   """GPT-2; Llama (GQA 2 of 4, head_dim 16 != 32 / 4, llama3 RoPE scaling past a 16-token
-  context, biases on q/k/v/o, untied), Mistral (multi-query, a sliding window: max_len) and
-  Qwen2 (biases on q/k/v only, linear RoPE scaling)."""
+  context, biases on q/k/v/o, untied), Mistral (multi-query, an 8-token sliding window),
+  Qwen2 (biases on q/k/v only, linear RoPE scaling), Qwen3 (q/k norms, a window on one layer)
+  and the Gemmas (hf_fixtures.KINDS says what each brings), windows shorter than the rows."""
   folder = folders(kind)
   predictor = Predictor.from_pretrained(folder)
   config = predictor.family.model_config
-  assert predictor.tokenizer.vocab_map.added_pad and config.mask_padding_logit
+  # The Gemmas have a pad token of their own; the others get one added, never predicted.
+  added_pad = not kind.startswith("gemma")
+  assert predictor.tokenizer.vocab_map.added_pad == config.mask_padding_logit == added_pad
   if kind != "gpt2":
     assert config.position_embedding == "rope" and config.num_kv_heads < config.num_heads
-    assert config.max_len == (32 if kind == "mistral" else 128)  # Mistral's sliding window
+    assert config.max_len == 128  # a sliding window reads every position
+    assert config.sliding_window == (8 if kind in WINDOWED else 0)
   model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
   ours, theirs, real = _logits_against_pytorch(predictor, model, kind)
   assert np.ptp(theirs[real]) > 1.0  # not vacuous: the logits spread far past the tolerance
-  assert (ours[..., 0] == models.PADDING_LOGIT).all()  # the added pad is never predicted
+  assert (ours[..., 0] == models.PADDING_LOGIT).all() == added_pad
 
   # Served as it is, the checkpoint continues raw text as `generate` does: the tokenizer's ids
   # (Llama's with its own BOS, GPT-2's with none), no separator. Batched here with
@@ -173,8 +181,10 @@ def test_decoder_only_logits_and_greedy_continuations_equal_pytorch(kind, folder
   tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
   room = predictor.config.max_source_length - 1  # Mistral's window leaves 16 tokens a prompt
   fitting = [t for t in _texts(kind, 40) if len(tokenizer(t)["input_ids"]) <= room]
-  texts = fitting[::len(fitting) // 4][:4]
+  texts = fitting[::len(fitting) // 4][:4]  # of different lengths
   assert len({len(tokenizer(t)["input_ids"]) for t in texts}) > 1
+  if kind in WINDOWED:  # the longest prompts and their continuations pass the window
+    assert len(tokenizer(texts[-1])["input_ids"]) > 2 * config.sliding_window
   prompts = [predictor.family.prompt(ids) for ids in
              predictor.tokenizer.encode_batch(texts)]
   outputs = predictor.output_ids(prompts, decoding_config=predictor.decoding_config(
@@ -194,6 +204,54 @@ def test_decoder_only_logits_and_greedy_continuations_equal_pytorch(kind, folder
                           "--config.decoding.max_decode_len=10", input="\n".join(texts[:2]))
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines() == predictor.predict(texts[:2], max_decode_len=10)
+
+
+# Hub config.json files as older transformers wrote them (the keys that matter here), and the
+# fields they must import as.
+_HUB_CONFIGS = {
+    "gemma-7b": (dict(model_type="gemma", hidden_act="gelu", hidden_activation=None,
+                      num_hidden_layers=28, rope_theta=10000.0),
+                 dict(ffn_activation="geglu_tanh", sliding_window=0, logits_softcap=0.0,
+                      position_base=10000.0)),
+    "gemma-2-2b": (dict(model_type="gemma2", hidden_activation="gelu_pytorch_tanh",
+                        num_hidden_layers=26, sliding_window=4096, query_pre_attn_scalar=256,
+                        attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+                   dict(sliding_window=4096, sliding_window_pattern="LG", attention_softcap=50.0,
+                        logits_softcap=30.0, query_pre_attn_scalar=256.0, qk_norm=False)),
+    "gemma-3-1b": (dict(model_type="gemma3_text", num_hidden_layers=26, sliding_window=512,
+                        sliding_window_pattern=6, rope_theta=1000000, rope_local_base_freq=10000,
+                        rope_scaling=None, attn_logit_softcapping=None,
+                        final_logit_softcapping=None, eos_token_id=[1, 106]),
+                   dict(sliding_window=512, sliding_window_pattern="LLLLLG",
+                        position_base=1e6, local_position_base=1e4, rope_scaling="none",
+                        attention_softcap=0.0, logits_softcap=0.0, qk_norm=True)),
+    "gemma-3-4b": (dict(model_type="gemma3_text", num_hidden_layers=34, sliding_window=1024,
+                        rope_theta=1000000, rope_scaling=dict(rope_type="linear", factor=8.0)),
+                   dict(sliding_window=1024, sliding_window_pattern="LLLLLG", position_base=1e6,
+                        rope_scaling="linear", rope_scaling_factor=8.0, local_position_base=1e4)),
+    "qwen3-0.6b": (dict(model_type="qwen3", num_hidden_layers=28, use_sliding_window=False,
+                        sliding_window=None, max_window_layers=28, rope_theta=1000000),
+                   dict(sliding_window=0, qk_norm=True, position_base=1e6, qkv_bias=False)),
+    "qwen2-windowed": (dict(model_type="qwen2", num_hidden_layers=4, use_sliding_window=True,
+                            sliding_window=4096, max_window_layers=3),
+                       dict(sliding_window=4096, sliding_window_pattern="GGGL", qkv_bias=True)),
+    "mistral-7b-v0.1": (dict(model_type="mistral", num_hidden_layers=32, sliding_window=4096,
+                             max_position_embeddings=32768),
+                        dict(sliding_window=4096, sliding_window_pattern="L", max_len=32768)),
+}
+
+
+@pytest.mark.parametrize("name", _HUB_CONFIGS)
+def test_decoder_only_hub_configs_import_as_transformers_reads_them(name):
+  from transformer_jax.pretrained import architecture  # pylint: disable=import-outside-toplevel
+  hf, expected = _HUB_CONFIGS[name]
+  hf = dict(dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=1, head_dim=32, max_position_embeddings=8192,
+                 bos_token_id=2, eos_token_id=1, pad_token_id=0), **hf)
+  fields = architecture.ARCHITECTURES[hf["model_type"]].model_fields(hf, tied=True)
+  assert {key: fields.get(key, 0.0) for key in expected} == expected
+  assert fields["qkv_dim"] == 4 * 32  # the head size of config.json, not hidden / heads
+  models.TransformerConfig(**fields)  # every field is one
 
 
 def _write_sentiment(folder, num_classes: int = 2):
@@ -397,7 +455,9 @@ def model_generate(folder: str, prompt, max_new_tokens: int = 10) -> np.ndarray:
                         )[0, prompt.shape[1]:].numpy()
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2-chat"])
+# One kind per architecture module's new parts (each takes most of a minute); the weight tables
+# of every kind are checked both ways by the test after this one.
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen3", "gemma3_text", "qwen2-chat"])
 def test_decoder_only_checkpoints_fine_tune_and_export(kind, folders, tmp_path, data_cache):
   from transformer_jax import train  # pylint: disable=import-outside-toplevel
   folder = _chat_folder(folders, tmp_path) if kind == "qwen2-chat" else folders(kind)
@@ -464,6 +524,23 @@ def test_sharded_import_of_a_grouped_query_model_gives_one_device_logits(folders
   attention = "decoder/layer_1/self_attention"
   assert split[f"{attention}/query/kernel"] == ["fsdp", None, "tensor", None]
   assert split[f"{attention}/kv/kernel"] == ["fsdp", None, "tensor", None]
+
+
+@pytest.mark.parametrize("kind", hf_fixtures.DECODER_KINDS)
+def test_decoder_only_weight_tables_write_back_the_checkpoints_tensors(kind, folders):
+  """Export's direction of every decoder-only kind's weight table: the imported parameters
+  become exactly the checkpoint's own tensors again (all of them but a tied lm_head)."""
+  from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+  folder = folders(kind)
+  checkpoint = checkpoint_lib.open_checkpoint(folder)
+  fields = model_schema.as_dict(models.TransformerConfig(**checkpoint.fields))  # as export
+  table = checkpoint.architecture.weight_table(checkpoint.hf_config, fields)
+  written = mapping.state_dict(table, checkpoint_lib.read_params(checkpoint),
+                               checkpoint.shapes())
+  original = load_file(os.path.join(folder, checkpoint_lib.WEIGHTS))
+  assert set(original) - set(written) <= {checkpoint.architecture.OUTPUT_TENSOR}
+  for name, tensor in written.items():
+    np.testing.assert_array_equal(tensor, original[name], err_msg=name)
 
 
 def test_a_head_of_another_size_needs_reset_head(folders, tmp_path):

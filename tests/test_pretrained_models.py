@@ -3,7 +3,8 @@
 Every supported architecture (T5 v1.0, T5 v1.1 gated and untied, mT5, UMT5, BART, mBART,
 Marian) as a tiny random checkpoint folder written by transformers (tests/hf_fixtures.py):
 teacher-forced logits equal PyTorch's, greedy generation gives `generate`'s ids and text,
-the import shards over a jit mesh, and broken folders fail with one helpful error.
+the import shards over a jit mesh (a decoder-only Gemma 3's too), and broken folders fail
+with one helpful error.
 """
 
 from __future__ import annotations
@@ -279,7 +280,7 @@ layout = parallel.MeshParallel(data=1, fsdp=4, tensor=2)
 results = {{}}
 for kind, folder in {folders!r}.items():
   ck = checkpoint.open_checkpoint(folder)
-  family = families.from_model_config("encoder_decoder", models.TransformerConfig(**ck.fields))
+  family = families.from_model_config(ck.family, models.TransformerConfig(**ck.fields))
   boxed = jax.eval_shape(functools.partial(family.init_params, boxed=True),
                          jax.random.PRNGKey(0))
   params = layout.place_params(checkpoint.read_params(ck), boxed)
@@ -297,15 +298,26 @@ print("RESULT", json.dumps(results))
 
 
 @pytest.fixture(scope="session")
-def sharded_runs(imported, sentences):
-  """T5 and BART forwards on 8 simulated devices (fsdp 4 x tensor 2), in one subprocess:
-  per kind (one-device logits, sharded logits, the parameters that were split)."""
+def sharded_runs(imported, sentences, tmp_path_factory):
+  """T5, BART and Gemma 3 (decoder-only: q/k norms, post-sublayer norms, grouped key/value
+  heads) forwards on 8 simulated devices (fsdp 4 x tensor 2), in one subprocess: per kind
+  (one-device logits, targets, sharded logits, the parameters that were split)."""
   folders, single = {}, {}
   for kind in ("t5", "bart"):
     m = imported(kind)
     inputs, targets = _batch(m, sentences)
     np.savez(m.folder + ".batch.npz", inputs=inputs, targets=targets)
     folders[kind], single[kind] = m.folder, (m.forward(inputs, targets), targets)
+  folder = hf_fixtures.tiny_model("gemma3_text", str(tmp_path_factory.mktemp("gemma3_text")))
+  checkpoint = checkpoint_lib.open_checkpoint(folder)
+  tokenizer = tokenizer_lib.PretrainedTokenizer(folder, checkpoint.vocab)
+  targets = _padded([tokenizer.encode(sentences[0][i]) for i in ROWS])
+  family = families.from_model_config("decoder_only",
+                                      models.TransformerConfig(**checkpoint.fields))
+  logits = family.forward(checkpoint_lib.read_params(checkpoint), {"targets": targets},
+                          deterministic=True)
+  np.savez(folder + ".batch.npz", targets=targets)
+  folders["gemma3_text"], single["gemma3_text"] = folder, (np.asarray(logits), targets)
   run = subprocess.run([sys.executable, "-c", _SHARDED.format(root=ROOT, folders=folders)],
                        env=cli.env(8), capture_output=True, text=True, timeout=300)
   assert run.returncode == 0, run.stderr[-3000:]
@@ -314,7 +326,7 @@ def sharded_runs(imported, sentences):
           for kind in folders}
 
 
-@pytest.mark.parametrize("kind", ["t5", "bart"])
+@pytest.mark.parametrize("kind", ["t5", "bart", "gemma3_text"])
 def test_sharded_import_gives_one_device_logits(sharded_runs, kind):
   one_device, targets, sharded, split = sharded_runs[kind]
   valid = targets != 0
@@ -324,6 +336,14 @@ def test_sharded_import_gives_one_device_logits(sharded_runs, kind):
   # The parameters were really split: the embedding over vocab (tensor, where the rows divide:
   # T5's are rounded up, BART's are the tokenizer's) x embed (fsdp), the heads over tensor.
   vocab_axis = "tensor" if one_device.shape[-1] % 2 == 0 else None
+  if kind == "gemma3_text":  # 2 key/value heads of 4, one per tensor device; norms whole
+    assert split["embedding/embedding/embedding"] == [vocab_axis, "fsdp"]
+    for name in ("query", "kv"):
+      assert split[f"decoder/layer_1/self_attention/{name}/kernel"] == [
+          "fsdp", None, "tensor", None]
+    assert "decoder/layer_1/self_attention/query_norm/scale" not in split
+    assert split["decoder/layer_1/ffn_block/post_norm/scale"] == ["fsdp"]
+    return
   assert split["shared_embedding/embedding/embedding"] == [vocab_axis, "fsdp"]
   assert split["decoder/layer_1/self_attention/qkv/kernel"] == ["fsdp", None, "tensor", None]
 

@@ -64,9 +64,12 @@ def combine_masks(*masks: Array | None) -> Array | None:
 
 
 def _attend(scores: Array, value: Array, mask: Array | None, dropout_rate: float,
-            dropout_rng: Array | None, bias: Array | None = None) -> tuple[Array, Array]:
-  """Masked softmax over keys (float32) of the scores plus `bias`, then the weighted sum of
-  values."""
+            dropout_rng: Array | None, bias: Array | None = None,
+            softcap: float | None = None) -> tuple[Array, Array]:
+  """Masked softmax over keys (float32) of the scores (soft-capped to (-softcap, softcap)
+  where given) plus `bias`, then the weighted sum of values."""
+  if softcap:
+    scores = jnp.tanh(scores / jnp.float32(softcap)) * jnp.float32(softcap)
   if bias is not None:
     scores = scores + bias
   if mask is not None:
@@ -99,7 +102,7 @@ def _check_groups(heads: int, kv_heads: int) -> int:
 def dot_product_attention(query: Array, key: Array, value: Array, mask: Array | None = None, *,
                           return_weights: bool = False, dropout_rate: float = 0.0,
                           dropout_rng: Array | None = None, bias: Array | None = None,
-                          scale: float | None = None):
+                          scale: float | None = None, softcap: float | None = None):
   """softmax(Q K^T / sqrt(d) + bias + mask) V, per head.
 
   Key and value may have fewer heads than the query (grouped-query attention; 1 head:
@@ -116,6 +119,8 @@ def dot_product_attention(query: Array, key: Array, value: Array, mask: Array | 
     bias: float32, broadcastable to [b, h, q, k], added to the scores (e.g. T5's relative
       position bias); None = none.
     scale: the scores' factor; None = 1 / sqrt(d) (T5 folds it into its weights: 1.0).
+    softcap: scaled scores become softcap * tanh(scores / softcap) before bias and mask
+      (Gemma 2's attention soft-capping); None or 0 = none.
 
   Returns:
     [b, q, h, d] outputs in `value.dtype`, and the float32 weights if `return_weights`.
@@ -133,7 +138,7 @@ def dot_product_attention(query: Array, key: Array, value: Array, mask: Array | 
     scores = scores.reshape(batch, heads, num_queries, key.shape[1])  # [b, h, q, k]
   scale = query.shape[-1] ** -0.5 if scale is None else scale
   scores = scores * jnp.float32(scale)  # [b, h, q, k]
-  out, weights = _attend(scores, value, mask, dropout_rate, dropout_rng, bias)
+  out, weights = _attend(scores, value, mask, dropout_rate, dropout_rng, bias, softcap)
   return (out, weights) if return_weights else out
 
 
@@ -234,8 +239,14 @@ class MultiHeadAttention(nn.Module):
 
   `use_bias` False drops the projections' biases (`qkv_bias` / `out_bias`, where set, decide
   for the query/key/value and the output projections apart) and `scale_scores` False the 1/sqrt(d)
-  factor (T5, which folds it into its query weights); a `bias` [b|1, h, q, k] passed to the
-  call is added to the scores (T5's relative position bias).
+  factor (T5, which folds it into its query weights); `scale`, where set, is the scores' factor
+  instead (Gemma's query_pre_attn_scalar^-0.5). A `bias` [b|1, h, q, k] passed to the call is
+  added to the scores (T5's relative position bias). `softcap` > 0 soft-caps the scores
+  (`dot_product_attention`), on the reference path: jax.nn's kernels have no soft cap.
+
+  `qk_norm` RMS-normalises queries and keys per head over the head dimension ('query_norm',
+  'key_norm'; epsilon `norm_epsilon`, (1 + scale) with `norm_plus_one`) before rotating them,
+  so keys are cached normalised (Qwen3, Gemma 3).
   """
   num_heads: int
   qkv_dim: int
@@ -251,6 +262,11 @@ class MultiHeadAttention(nn.Module):
   rope_scaling: tuple = ("none",)  # layers.rope_frequencies
   qkv_bias: bool | None = None  # None: use_bias
   out_bias: bool | None = None  # None: use_bias
+  scale: float | None = None  # None: 1/sqrt(d), or 1 without scale_scores
+  softcap: float = 0.0
+  qk_norm: bool = False
+  norm_epsilon: float = 1e-6
+  norm_plus_one: bool = False
 
   @nn.compact
   def __call__(self, inputs_q: Array, inputs_kv: Array, mask: Array | None = None, *,
@@ -272,21 +288,23 @@ class MultiHeadAttention(nn.Module):
         bias_init=_partitioned(nn.initializers.zeros_init(), (None, heads_axis, "kv")),
         name=name)
     self_attention = inputs_q is inputs_kv
+    query_norm, key_norm = self._qk_norms()
     # Fused projections: one matmul for Q, K and V in self-attention (for K and V in
     # cross-attention) instead of three (two); measured in the README's performance section.
     if self_attention and group == 1:
       qkv = projection(3, self.num_heads, "heads", "qkv")(inputs_q)  # [b, q, 3, h, d]
-      query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [b, q, h, d]
+      query, key, value = qkv[:, :, 0], key_norm(qkv[:, :, 1]), qkv[:, :, 2]  # [b, q, h, d]
     else:
       query = projection(1, self.num_heads, "heads", "query")(inputs_q)[:, :, 0]  # [b, q, h, d]
       kv_projection = projection(2, kv_heads, kv_axis, "kv")
 
       def project():
         kv = kv_projection(inputs_kv)  # [b, k, 2, n, d]
-        return kv[:, :, 0], kv[:, :, 1]  # each [b, k, n, d]
+        return key_norm(kv[:, :, 0]), kv[:, :, 1]  # each [b, k, n, d]
 
       key, value = (self._encoded_key_value(project) if decode and not self_attention
                     else project())
+    query = query_norm(query)
 
     if self.rope_base is not None:
       if not self_attention:
@@ -310,20 +328,12 @@ class MultiHeadAttention(nn.Module):
     dropout_rng = (self.make_rng("dropout") if not deterministic and self.dropout_rate > 0.0
                    else None)
     capture = self.is_mutable_collection("intermediates")
-    scale = None if self.scale_scores else 1.0
+    scale = 1.0 if self.scale is None and not self.scale_scores else self.scale
     if self.score == "dot_product" and self.implementation != "reference" and not (
-        capture or dropout_rng is not None):
+        capture or dropout_rng is not None or self.softcap):
       out = fused_attention(query, key, value, mask, self.implementation, bias, scale)
     else:
-      if self.score == "dot_product":
-        out, weights = dot_product_attention(query, key, value, mask, return_weights=True,
-                                             dropout_rate=self.dropout_rate,
-                                             dropout_rng=dropout_rng, bias=bias, scale=scale)
-      else:
-        # The learned scores have a weight per query head: grouped keys/values are repeated.
-        key, value = (jnp.repeat(x, group, axis=2) for x in (key, value))  # [b, k, h, d]
-        scores = self._scores(query, key, head_dim)  # [b, h, q, k]
-        out, weights = _attend(scores, value, mask, self.dropout_rate, dropout_rng, bias)
+      out, weights = self._reference(query, key, value, mask, bias, scale, dropout_rng)
       if capture:
         self.sow("intermediates", "attention_weights", weights)
     if copies > 1:
@@ -333,6 +343,29 @@ class MultiHeadAttention(nn.Module):
         kernel_init=_partitioned(self.kernel_init, ("heads", "kv", "embed")),
         bias_init=_partitioned(nn.initializers.zeros_init(), ("embed",)),
         name="out")(out)  # [b, q, emb]
+
+  def _reference(self, query: Array, key: Array, value: Array, mask: Array | None,
+                 bias: Array | None, scale: float | None,
+                 dropout_rng: Array | None) -> tuple[Array, Array]:
+    """Attention computed here with einsums: outputs [b, q, h, d] and weights [b, h, q, k]."""
+    if self.score == "dot_product":
+      return dot_product_attention(query, key, value, mask, return_weights=True,
+                                   dropout_rate=self.dropout_rate, dropout_rng=dropout_rng,
+                                   bias=bias, scale=scale, softcap=self.softcap)
+    # The learned scores have a weight per query head: grouped keys/values are repeated.
+    group = query.shape[2] // key.shape[2]
+    key, value = (jnp.repeat(x, group, axis=2) for x in (key, value))  # [b, k, h, d]
+    scores = self._scores(query, key, query.shape[-1])  # [b, h, q, k]
+    return _attend(scores, value, mask, self.dropout_rate, dropout_rng, bias, self.softcap)
+
+  def _qk_norms(self) -> tuple[Callable[[Array], Array], Callable[[Array], Array]]:
+    """The per-head query and key norms over the head dimension (`qk_norm`), else
+    identities."""
+    if not self.qk_norm:
+      return (lambda x: x), (lambda x: x)
+    norm = lambda name: layers.RMSNorm(self.norm_epsilon, self.dtype, self.norm_plus_one,
+                                       axis_name="kv", name=name)
+    return norm("query_norm"), norm("key_norm")
 
   def _rotate(self, query: Array, key: Array, positions: Array | None,
               decode: bool) -> tuple[Array, Array]:

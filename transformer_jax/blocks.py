@@ -46,7 +46,8 @@ def residual_stream(x: Array) -> Array:
 
 
 class SublayerConnection(nn.Module):
-  """Residual connection with a norm after (post-LN) or before (pre-LN) the sublayer."""
+  """Residual connection with a norm after (post-LN) or before (pre-LN) the sublayer, and
+  with `post_sublayer_norm` one more on the sublayer's output ('post_norm', Gemma 2 / 3)."""
   config: TransformerConfig
 
   @nn.compact
@@ -54,14 +55,17 @@ class SublayerConnection(nn.Module):
     c = self.config
     norm = layer_norm(c, "norm")
     y = sublayer(norm(x) if c.pre_ln else x)
+    if c.post_sublayer_norm:
+      y = layer_norm(c, "post_norm")(y)
     y = layers.Dropout(c.dropout_rate)(y, deterministic=deterministic)
     return x + y if c.pre_ln else norm(x + y)
 
 
 def layer_norm(c: TransformerConfig, name: str) -> nn.Module:
-  """The config's norm: LayerNorm, or RMSNorm (`norm='rmsnorm'`)."""
+  """The config's norm: LayerNorm, or RMSNorm (`norm='rmsnorm'`; scaled by 1 + scale with
+  `norm_plus_one`)."""
   if c.norm == "rmsnorm":
-    return layers.RMSNorm(c.layer_norm_epsilon, c.dtype, name=name)
+    return layers.RMSNorm(c.layer_norm_epsilon, c.dtype, c.norm_plus_one, name=name)
   if c.norm != "layernorm":
     raise ValueError(f"Unknown norm {c.norm!r}: use 'layernorm' or 'rmsnorm'.")
   embed = lambda init: nn.with_logical_partitioning(init, ("embed",))
@@ -71,17 +75,24 @@ def layer_norm(c: TransformerConfig, name: str) -> nn.Module:
 
 
 def _attention(c: TransformerConfig, name: str, score: str = "dot_product", *,
-               self_attention: bool = True):
-  """An attention layer of the config; rotary embeddings ('rope') in self-attention only."""
+               self_attention: bool = True, local: bool = False):
+  """An attention layer of the config; rotary embeddings ('rope') in self-attention only,
+  `local` (a sliding-window layer's) with local_position_base where the config sets one."""
   rotary = self_attention and c.position_embedding == "rope"
+  base, scaling = c.position_base, rope_scaling(c)
+  if local and c.local_position_base:
+    base, scaling = c.local_position_base, ("none",)
+  scale = c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar else None
   return attention.MultiHeadAttention(c.num_heads, c.qkv_dim, c.attention_dropout_rate, c.dtype,
                                       score, c.attention_implementation,
                                       use_bias=c.use_bias, qkv_bias=c.qkv_bias,
                                       out_bias=c.out_bias,
                                       scale_scores=c.scale_attention_scores,
                                       num_kv_heads=c.num_kv_heads,
-                                      rope_base=c.position_base if rotary else None,
-                                      rope_scaling=rope_scaling(c), name=name)
+                                      rope_base=base if rotary else None, rope_scaling=scaling,
+                                      scale=scale, softcap=c.attention_softcap,
+                                      qk_norm=c.qk_norm, norm_epsilon=c.layer_norm_epsilon,
+                                      norm_plus_one=c.norm_plus_one, name=name)
 
 
 def rope_scaling(c: TransformerConfig) -> tuple:
@@ -89,6 +100,22 @@ def rope_scaling(c: TransformerConfig) -> tuple:
   the values it needs)."""
   return (c.rope_scaling, c.rope_scaling_factor, c.rope_low_freq_factor,
           c.rope_high_freq_factor, c.rope_original_max_len)
+
+
+def windowed_layers(c: TransformerConfig, num_layers: int) -> tuple[bool, ...]:
+  """Which of a decoder stack's `num_layers` layers have the sliding window: letter
+  i % len of `sliding_window_pattern` is 'L' (none without a `sliding_window`)."""
+  pattern = c.sliding_window_pattern
+  return tuple(bool(c.sliding_window) and pattern[i % len(pattern)] == "L"
+               for i in range(num_layers))
+
+
+def window_mask(query_positions: Array, key_positions: Array, window: int) -> Array:
+  """[b|1, 1, q, k]: True where the key is less than `window` positions before the query
+  (later keys pass: causality is the other masks' business). Positions, not slots, so that
+  packed segments and the padding slots of a decoding cache count no distance."""
+  return (key_positions[:, None, None, :]
+          > query_positions[:, None, :, None] - window)  # [b|1, 1, q, k]
 
 
 def _ffn(c: TransformerConfig):
@@ -140,8 +167,12 @@ class EncoderLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-  """Causal self-attention, cross-attention (unless decoder-only), feed-forward network."""
+  """Causal self-attention, cross-attention (unless decoder-only), feed-forward network.
+
+  `local`: a sliding-window layer (its mask comes windowed from the stack; its rotary
+  embeddings take local_position_base where the config sets one)."""
   config: TransformerConfig
+  local: bool = False
 
   @nn.compact
   def __call__(self, y: Array, encoded: Array | None, self_mask: Array | None,
@@ -152,7 +183,7 @@ class DecoderLayer(nn.Module):
     decoding, those of the tokens fed in this call. `prefix_fill`: see MultiHeadAttention."""
     c = self.config
     residual = lambda name: SublayerConnection(c, name=name)
-    self_attention = _attention(c, "self_attention")
+    self_attention = _attention(c, "self_attention", local=self.local)
     y = residual("self_attention_block")(
         y, lambda h: self_attention(h, h, self_mask, deterministic=deterministic, decode=decode,
                                     bias=bias, positions=positions, prefix_fill=prefix_fill),
@@ -195,10 +226,10 @@ class EncoderStack(nn.Module):
 class DecoderStack(nn.Module):
   """Decoder layers on embedded decoder inputs; `encoded` None = decoder-only.
 
-  `positions` [b, len] (packed rows) matter only for a relative position bias or rotary
-  embeddings; while decoding, the cache counts positions instead, less each row's
-  `decode_offset` [b] (see layers.PositionEmbedding). `prefix_fill`: the tokens fed while
-  decoding are a prefix LM's prompt, read both ways.
+  `positions` [b, len] (packed rows) matter only for a relative position bias, rotary
+  embeddings or a sliding window; while decoding, the cache counts positions instead, less
+  each row's `decode_offset` [b] (see layers.PositionEmbedding). `prefix_fill`: the tokens
+  fed while decoding are a prefix LM's prompt, read both ways.
   """
   config: TransformerConfig
 
@@ -210,34 +241,45 @@ class DecoderStack(nn.Module):
     c = self.config
     layer = _remat(DecoderLayer, c, static=("deterministic", "decode", "prefix_fill"))
     num_layers = c.num_decoder_layers or c.num_layers
+    local = windowed_layers(c, num_layers)
+    # Key positions are needed beside the queries' by a relative bias and a window; while
+    # decoding the cache keeps them (rotary embeddings alone need the new tokens' only).
+    keyed = c.position_embedding == "relative" or any(local)
+    query_positions = key_positions = None
+    if keyed or c.position_embedding == "rope":
+      query_positions, key_positions = self._positions(y, positions, decode, decode_offset,
+                                                       keyed)
     biases = [None] * num_layers
     if c.position_embedding == "relative":
-      query_positions, key_positions = self._relative_positions(y, positions, decode)
       biases = _relative_biases(c, num_layers, False, query_positions, key_positions)
-    rotary_positions = None
-    if c.position_embedding == "rope":
-      # Keys are cached already rotated: decoding needs the new tokens' positions only.
-      rotary_positions = (self._decode_positions(y.shape[0], y.shape[1], decode_offset)[1]
-                          if decode else _stack_positions(y.shape[1], positions))
+    rotary_positions = query_positions if c.position_embedding == "rope" else None
+    local_mask = None
+    if any(local):
+      local_mask = attention.combine_masks(
+          self_mask, window_mask(query_positions, key_positions, c.sliding_window))
     for i in range(num_layers):
-      y = layer(c, name=f"layer_{i}")(residual_stream(y), encoded, self_mask, cross_mask,
-                                      deterministic, decode, biases[i], rotary_positions,
-                                      prefix_fill)
+      y = layer(c, local=local[i], name=f"layer_{i}")(
+          residual_stream(y), encoded, local_mask if local[i] else self_mask, cross_mask,
+          deterministic, decode, biases[i], rotary_positions, prefix_fill)
     if c.pre_ln if c.final_norm is None else c.final_norm:
       y = layer_norm(c, "final_norm")(y)
     return y
 
-  def _relative_positions(self, y: Array, positions: Array | None, decode: bool):
-    """Query and key positions of the self-attention's relative bias. Decoding, the cache
-    holds each slot's position beside the keys (written as tokens are fed; rows are beams)."""
+  def _positions(self, y: Array, positions: Array | None, decode: bool,
+                 decode_offset: Array | None, keyed: bool) -> tuple[Array, Array | None]:
+    """The self-attention's query positions [b|1, len] and, where `keyed`, its key positions
+    (the queries' in training). Decoding, the queries are the new tokens' and the cache holds
+    each slot's position beside the keys (written as tokens are fed; rows are beams)."""
     length = y.shape[1]
     if not decode:
       positions = _stack_positions(length, positions)
-      return positions, positions
+      return positions, positions if keyed else None
+    index, new = self._decode_positions(y.shape[0], length, decode_offset)
+    if not keyed:
+      return new, None
     initialized = self.has_variable("cache", "cached_positions")
     cached = self.variable("cache", "cached_positions", jnp.zeros, (y.shape[0], length),
                            jnp.int32)
-    index, new = self._decode_positions(y.shape[0], length)
     if not initialized:  # the init pass only creates the cache
       return new, new
     cached.value = jax.lax.dynamic_update_slice(cached.value, new, (0, index))

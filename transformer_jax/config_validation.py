@@ -93,6 +93,11 @@ RANGES = {
     "model.relative_attention_num_buckets": (4, None, True, True),
     "model.relative_attention_max_distance": (1, None, True, True),
     "model.num_token_types": (0, None, True, True),
+    "model.sliding_window": (0, None, True, True),
+    "model.attention_softcap": (0, None, True, True),
+    "model.logits_softcap": (0, None, True, True),
+    "model.query_pre_attn_scalar": (0, None, True, True),
+    "model.local_position_base": (0, None, True, True),
 }
 
 
@@ -192,11 +197,38 @@ def _model_problems(config: ml_collections.ConfigDict) -> list[str]:
   if m.get("prefix_lm") and families.name(config) != "decoder_only":
     found.append("config.model.prefix_lm=True is for config.architecture='decoder_only' (an "
                  "encoder already reads the source both ways)")
+  found += _layer_option_problems(config)
   longest = families.longest_sequence(config)
   if longest > m.max_len:
     found.append(f"config.model.max_len={m.max_len} is shorter than the longest sequence "
                  f"the model sees ({longest} tokens from max_source_length / "
                  "max_target_length); raise max_len or lower those")
+  return found
+
+
+def _layer_option_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """The attention and norm options that need others beside them
+  (read with .get: a workdir saved before they existed lacks them)."""
+  found = []
+  m = config.model
+  pattern = m.get("sliding_window_pattern", "L")
+  if not (isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}):
+    found.append(f"config.model.sliding_window_pattern={pattern!r} must be letters 'L' "
+                 "(a sliding-window layer) and 'G' (a global one), e.g. 'L' or 'LG'")
+  if m.get("sliding_window") and not families.generates_text(config):  # an encoder alone
+    found.append("config.model.sliding_window is for decoders (causal self-attention); a "
+                 "classifier's encoder reads every position")
+  if m.get("local_position_base") and not (m.get("sliding_window")
+                                           and m.position_embedding == "rope"):
+    found.append("config.model.local_position_base is the RoPE base of sliding-window "
+                 "layers: it needs position_embedding='rope' and a sliding_window")
+  if m.get("norm_plus_one") and m.norm != "rmsnorm":
+    found.append("config.model.norm_plus_one=True scales an RMSNorm by (1 + scale): it needs "
+                 "config.model.norm='rmsnorm'")
+  if m.get("post_sublayer_norm") and not m.pre_ln:
+    found.append("config.model.post_sublayer_norm=True adds a norm to pre-LN blocks' sublayer "
+                 "outputs (post-LN blocks normalise after the residual add already): set "
+                 "config.model.pre_ln=True")
   return found
 
 

@@ -147,17 +147,25 @@ class RelativePositionBias(nn.Module):
 
 class RMSNorm(nn.Module):
   """Root-mean-square norm without a bias or centring (T5's LayerNorm): x / rms(x) * scale,
-  the mean of squares taken in float32 whatever the activation dtype."""
+  the mean of squares taken in float32 whatever the activation dtype.
+
+  `plus_one`: x / rms(x) * (1 + scale), the scale starting at 0 (Gemma), multiplied in float32
+  before the cast as Gemma does. `axis_name`: the logical name of the normalised dimension
+  ('kv' for a per-head norm over the head dimension).
+  """
   epsilon: float = 1e-6
   dtype: Any = jnp.float32
+  plus_one: bool = False
+  axis_name: str = "embed"
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
-    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones_init(),
-                                                             ("embed",)), (x.shape[-1],))
+    init = nn.initializers.zeros_init() if self.plus_one else nn.initializers.ones_init()
+    scale = self.param("scale", nn.with_logical_partitioning(init, (self.axis_name,)),
+                       (x.shape[-1],))
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.epsilon)
-    return (normed * scale).astype(self.dtype)
+    return (normed * (1.0 + scale if self.plus_one else scale)).astype(self.dtype)
 
 
 def dropout_keep_mask(rng: Array, rate: float, shape: tuple[int, ...]) -> tuple[Array, float]:

@@ -28,6 +28,8 @@ class TransformerConfig:
   num_kv_heads: int | None = 0
   num_layers: int = 6  # encoder layers, and decoder layers unless num_decoder_layers is set
   num_decoder_layers: int | None = None
+  # The attention's width: num_heads heads of qkv_dim / num_heads dimensions each, projected
+  # back to emb_dim, so the head size need not be emb_dim / num_heads (Gemma: 256 x 8 > 2048).
   qkv_dim: int = 512
   mlp_dim: int = 2048
   max_len: int = 256
@@ -37,6 +39,12 @@ class TransformerConfig:
   final_norm: bool | None = None  # a norm after each stack; None = pre_ln
   layer_norm_epsilon: float = 1e-6
   norm: str = "layernorm"  # or 'rmsnorm' (no bias, no centring: T5)
+  # RMSNorm scales by (1 + scale), its scale starting at 0 (Gemma): the same function, another
+  # parameterisation (weight decay pulls it towards the identity, not towards zero).
+  norm_plus_one: bool = False
+  # Pre-LN blocks also normalise each sub-layer's output before the residual add, with norms of
+  # their own (Gemma 2 / 3: x + norm(attention(norm(x))), likewise the feed-forward network).
+  post_sublayer_norm: bool = False
   # 'relu', 'gelu', 'gelu_tanh', 'silu', gated: 'geglu', 'geglu_tanh', 'reglu', 'swiglu'
   ffn_activation: str = "relu"
   use_bias: bool = True  # biases in the attention and feed-forward projections (T5: none)
@@ -45,6 +53,21 @@ class TransformerConfig:
   qkv_bias: bool | None = None
   out_bias: bool | None = None
   scale_attention_scores: bool = True  # scores / sqrt(head_dim) (T5 folds it into weights)
+  # Scores x query_pre_attn_scalar^-0.5 instead of head_dim^-0.5 (Gemma 2 / 3); 0: head_dim.
+  query_pre_attn_scalar: float = 0.0
+  # Queries and keys RMS-normalised per head over the head dimension, before RoPE (Qwen3,
+  # Gemma 3; the norm's epsilon and norm_plus_one are the model's); keys are cached normalised.
+  qk_norm: bool = False
+  # Attention scores soft-capped before the mask, cap * tanh(scores / cap) (Gemma 2); 0: off.
+  # Not in jax.nn's fused kernels: with a cap, attention runs the reference einsums.
+  attention_softcap: float = 0.0
+  # Sliding-window attention (Mistral; Gemma 2 / 3 on alternate layers): causal self-attention
+  # of a decoder stack's windowed layers sees the last `sliding_window` positions, its own
+  # included, in training and in the KV cache alike (0: every layer sees every position).
+  # `sliding_window_pattern` says which layers: letter i % len of 'L' (local: windowed) or 'G'
+  # (global), e.g. 'L' every layer, 'LG' Gemma 2, 'LLLLLG' Gemma 3, or one letter per layer.
+  sliding_window: int = 0
+  sliding_window_pattern: str = "L"
   cross_attention_score: str = "dot_product"  # or 'multiplicative', 'additive'
 
   # ---- Positions --------------------------------------------------------------------------
@@ -63,12 +86,18 @@ class TransformerConfig:
   rope_low_freq_factor: float = 1.0
   rope_high_freq_factor: float = 4.0
   rope_original_max_len: int = 8192
+  # RoPE base of the sliding-window layers, unscaled (Gemma 3's rope_local_base_freq; the
+  # global layers keep position_base and rope_scaling); 0: as every other layer.
+  local_position_base: float = 0.0
   relative_attention_num_buckets: int = 32  # 'relative': buckets per direction pair
   relative_attention_max_distance: int = 128  # 'relative': distances beyond share a bucket
   relative_bias_per_layer: bool = False  # 'relative': a bias per layer (UMT5), not per stack
 
   # ---- Embeddings and the output layer ----------------------------------------------------
   scale_embeddings: bool = True  # token embeddings x sqrt(emb_dim) (the paper; not T5/BART)
+  # That factor rounded to `dtype` first, as Gemma computes it (bfloat16: 55.5 for 3072, not
+  # 55.43); the same in float32.
+  embedding_scale_in_dtype: bool = False
   embedding_norm: bool = False  # a norm after token + position embeddings (BART)
   share_embeddings: bool = True  # one embedding for source and target tokens
   tie_output: bool = True  # output layer = transposed target embedding
@@ -77,6 +106,9 @@ class TransformerConfig:
   # The output never predicts id 0 (padding): for checkpoints without a pad token of their
   # own (GPT-2), whose pad row is added on import and must not compete in the softmax.
   mask_padding_logit: bool = False
+  # Output logits soft-capped, cap * tanh(logits / cap) (Gemma 2's final_logit_softcapping);
+  # 0: off.
+  logits_softcap: float = 0.0
   bos_id: int = 2  # first decoder input (the tokenizer reserves it; imports: decoder start)
 
   # ---- Regularisation ---------------------------------------------------------------------

@@ -72,7 +72,10 @@ class TokenEmbedding(nn.Module):
     table = nn.with_logical_constraint(self.embedding.embedding, (None, None))
     embedded = blocks.residual_stream(jnp.take(table, tokens, axis=0))  # [b, len, emb]
     if c.scale_embeddings:
-      embedded = embedded * jnp.sqrt(jnp.float32(c.emb_dim))
+      scale = jnp.sqrt(jnp.float32(c.emb_dim))
+      if c.embedding_scale_in_dtype:
+        scale = scale.astype(c.dtype).astype(jnp.float32)
+      embedded = embedded * scale
     return embedded.astype(c.dtype)
 
   def attend(self, y: Array) -> Array:
@@ -98,7 +101,8 @@ def _logits_dense(c: TransformerConfig) -> nn.Dense:
 
 def _output_logits(module: nn.Module, embedding: TokenEmbedding, y: Array) -> Array:
   """Decoder states -> float32 logits: the tied embedding (plus the config's `logits_bias`,
-  a parameter 'logits_bias' of `module`), or `module.logits_dense` when untied."""
+  a parameter 'logits_bias' of `module`), or `module.logits_dense` when untied; soft-capped
+  by `logits_softcap`."""
   c = module.config
   y = y.astype(jnp.float32)
   if c.output_rescale:
@@ -110,6 +114,8 @@ def _output_logits(module: nn.Module, embedding: TokenEmbedding, y: Array) -> Ar
     logits = embedding.attend(y)  # [b, len, vocab]
     if c.logits_bias:
       logits = logits + module.logits_bias
+  if c.logits_softcap:
+    logits = jnp.tanh(logits / jnp.float32(c.logits_softcap)) * jnp.float32(c.logits_softcap)
   if c.mask_padding_logit:
     logits = logits.at[..., 0].set(PADDING_LOGIT)
   return logits

@@ -14,6 +14,7 @@ from typing import Collection, Protocol
 
 from transformer_jax.pretrained import bart
 from transformer_jax.pretrained import bert
+from transformer_jax.pretrained import gemma
 from transformer_jax.pretrained import gpt2
 from transformer_jax.pretrained import llama
 from transformer_jax.pretrained import mapping
@@ -48,7 +49,7 @@ OPTIONAL = {
     "export_config": "(hf, label_names) -> the config.json an export writes",
 }
 
-MODULES: tuple[ModuleType, ...] = (t5, bart, marian, bert, gpt2, llama)
+MODULES: tuple[ModuleType, ...] = (t5, bart, marian, bert, gpt2, llama, gemma)
 ARCHITECTURES: dict[str, ModuleType] = {
     name: module for module in MODULES for name in module.MODEL_TYPES}
 MODEL_TYPES = tuple(sorted(ARCHITECTURES))

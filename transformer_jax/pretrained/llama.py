@@ -1,13 +1,16 @@
-"""Llama 2 / 3 / 3.1 / 3.2, TinyLlama, SmolLM / SmolLM2, Mistral and Qwen2 / Qwen2.5 (Hugging
-Face `model_type` llama, mistral, qwen2), as the decoder-only family.
+"""Llama 2 / 3 / 3.1 / 3.2, TinyLlama, SmolLM / SmolLM2, Mistral, Qwen2 / Qwen2.5 and Qwen3
+(Hugging Face `model_type` llama, mistral, qwen2, qwen3), as the decoder-only family.
 
 Pre-norm RMSNorm blocks and a final RMSNorm (`model.norm`), rotary position embeddings in the
 half-split layout over the whole head (`rope_theta`, with `rope_parameters` / `rope_scaling`
-of type default, linear or llama3), grouped-query attention (`num_key_value_heads`), a SwiGLU
-feed-forward network (gate, up, down), no embedding scale, the output tied to the embedding or
-its own `lm_head`. Biases: Llama's `attention_bias` (q, k, v and o) and `mlp_bias`; Qwen2's on
-q, k and v only. A sliding window (Mistral; Qwen2 with `use_sliding_window`) is kept exact by
-never reading more tokens than it spans: max_len is the window where it is the shorter.
+of type default, linear or llama3), grouped-query attention (`num_key_value_heads`), a head
+size of its own where config.json gives `head_dim`, a SwiGLU feed-forward network (gate, up,
+down), no embedding scale, the output tied to the embedding or its own `lm_head`. Biases:
+Llama's and Qwen3's `attention_bias` (q, k, v and o) and Llama's `mlp_bias`; Qwen2's on q, k
+and v only. Qwen3 RMS-normalises queries and keys per head (`q_norm`, `k_norm`) before RoPE.
+Sliding windows are the model's own (`sliding_window`): Mistral's on every layer, Qwen2's and
+Qwen3's (`use_sliding_window`) on the layers from `max_window_layers` on, or as config.json's
+`layer_types` say.
 Ids: no pad token (one is added, as for GPT-2), bos and eos from config.json (eos may be a
 list: the first is the one this project ends sequences with).
 """
@@ -16,45 +19,32 @@ from __future__ import annotations
 
 from typing import Collection
 
-from transformer_jax.pretrained.mapping import (GATED, Entry, Layer, activation,
+from transformer_jax.pretrained.mapping import (GATED, SLIDING, Entry, Layer, activation,
                                                attention_entries, config_value, dense_entries,
-                                               grouped, norm_entries)
+                                               grouped, norm_entries, qk_norm_entries,
+                                               rope_fields, window_fields)
 
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 FAMILY = "decoder_only"
 EMBEDDING_TENSOR, OUTPUT_TENSOR = "model.embed_tokens.weight", "lm_head.weight"
 _ATTENTION = dict(q="q_proj", k="k_proj", v="v_proj", o="o_proj")
-_ROPE_TYPES = ("default", "linear", "llama3")
+_QWEN = ("qwen2", "qwen3")
 
 
-def _rope(hf: dict) -> dict:
-  """TransformerConfig's RoPE fields from `rope_parameters` (transformers 5) or the older
-  `rope_theta` + `rope_scaling`."""
-  parameters = dict(config_value(hf, "rope_scaling", {}) or {})
-  parameters.update(config_value(hf, "rope_parameters", {}) or {})
-  kind = parameters.get("rope_type", parameters.get("type", "default"))
-  if kind not in _ROPE_TYPES:
-    raise ValueError(f"rope type {kind!r} is not supported; supported: {list(_ROPE_TYPES)}")
-  fields = dict(position_base=float(parameters.get("rope_theta",
-                                                   config_value(hf, "rope_theta", 10000.0))),
-                rope_scaling="none" if kind == "default" else kind)
-  if kind != "default":
-    fields["rope_scaling_factor"] = float(parameters["factor"])
-  if kind == "llama3":
-    fields.update(rope_low_freq_factor=float(parameters["low_freq_factor"]),
-                  rope_high_freq_factor=float(parameters["high_freq_factor"]),
-                  rope_original_max_len=int(parameters["original_max_position_embeddings"]))
-  return fields
-
-
-def _max_len(hf: dict) -> int:
-  """The positions the model reads: max_position_embeddings, or the sliding window where it
-  is shorter (within the window, windowed attention is full attention)."""
-  length = hf["max_position_embeddings"]
-  window = config_value(hf, "sliding_window", None)
-  if hf["model_type"] == "qwen2" and not config_value(hf, "use_sliding_window", False):
+def _window(hf: dict) -> dict:
+  """The sliding window and its layers, as transformers reads them: Mistral's on every layer
+  (it ignores layer_types), Qwen's only with use_sliding_window, on config.json's layer_types
+  or else the layers from max_window_layers on; Llama has none."""
+  window, layers = config_value(hf, "sliding_window", None), hf["num_hidden_layers"]
+  if hf["model_type"] == "llama" or (hf["model_type"] in _QWEN
+                                     and not config_value(hf, "use_sliding_window", False)):
     window = None
-  return min(length, window) if window else length
+  if hf["model_type"] == "mistral":
+    return window_fields(window, [SLIDING] * layers)
+  first = config_value(hf, "max_window_layers", layers)
+  kinds = config_value(hf, "layer_types",
+                       [SLIDING if i >= first else "full_attention" for i in range(layers)])
+  return window_fields(window, kinds)
 
 
 def model_fields(hf: dict, tied: bool) -> dict:
@@ -62,7 +52,6 @@ def model_fields(hf: dict, tied: bool) -> dict:
   mlp_bias = bool(config_value(hf, "mlp_bias", False))
   if mlp_bias and not tied:
     raise ValueError("mlp_bias=true with an lm_head of its own is not supported")
-  qwen2 = hf["model_type"] == "qwen2"
   attention_bias = bool(config_value(hf, "attention_bias", False))
   heads = hf["num_attention_heads"]
   head_dim = config_value(hf, "head_dim", hf["hidden_size"] // heads)
@@ -71,13 +60,14 @@ def model_fields(hf: dict, tied: bool) -> dict:
       emb_dim=hf["hidden_size"], num_heads=heads,
       num_kv_heads=config_value(hf, "num_key_value_heads", heads), qkv_dim=heads * head_dim,
       mlp_dim=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
-      num_decoder_layers=None, max_len=_max_len(hf),
+      num_decoder_layers=None, max_len=hf["max_position_embeddings"],
       dropout_rate=0.0, attention_dropout_rate=config_value(hf, "attention_dropout", 0.0),
       activation_dropout_rate=0.0, pre_ln=True, final_norm=True, norm="rmsnorm",
       layer_norm_epsilon=config_value(hf, "rms_norm_eps", 1e-6),
       ffn_activation=GATED[activation(hf, "hidden_act", "silu")],  # act(gate) * up
-      use_bias=mlp_bias, qkv_bias=qwen2 or attention_bias, out_bias=attention_bias,
-      scale_attention_scores=True, position_embedding="rope", **_rope(hf),
+      use_bias=mlp_bias, qkv_bias=hf["model_type"] == "qwen2" or attention_bias,
+      out_bias=attention_bias, qk_norm=hf["model_type"] == "qwen3",
+      scale_attention_scores=True, position_embedding="rope", **rope_fields(hf), **_window(hf),
       scale_embeddings=False, embedding_norm=False, share_embeddings=True, tie_output=tied,
       output_rescale=False, logits_bias=False, mask_padding_logit=True,
       bos_id=config_value(hf, "bos_token_id", special_ids(hf)[1]))
@@ -100,6 +90,8 @@ def weight_table(hf: dict, fields: dict, names: Collection[str] | None = None) -
     table += attention_entries(layer.attention(), f"{hf_layer}.self_attn", _ATTENTION,
                                self_attention=True, bias=fields["qkv_bias"],
                                out_bias=fields["out_bias"], grouped_heads=grouped(fields))
+    if fields.get("qk_norm"):
+      table += qk_norm_entries(layer.attention(), f"{hf_layer}.self_attn")
     table += norm_entries(layer.attention_norm(), f"{hf_layer}.input_layernorm", bias=False)
     table += dense_entries(layer.ffn("wi_gate"), f"{hf_layer}.mlp.gate_proj",
                            bias=fields["use_bias"])

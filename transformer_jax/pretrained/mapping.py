@@ -1,5 +1,6 @@
 """Weight-name tables between Hugging Face state dicts and this project's parameter trees,
-and what every architecture module reads config.json with (`config_value`, `activation`).
+and what every architecture module reads config.json with (`config_value`, `activation`,
+`rope_fields`, `window_fields`).
 
 An architecture module (architecture.py says what one offers) lists its tensors once, as
 `Entry`s: our parameter path (`Layer` spells the paths inside a layer), the checkpoint's
@@ -24,6 +25,10 @@ ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "gelu_new": "gelu_tanh",
                "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "swish": "silu"}
 # The gated form (a GLU: the activation of one projection times another) of each.
 GATED = {"gelu": "geglu", "relu": "reglu", "gelu_tanh": "geglu_tanh", "silu": "swiglu"}
+# transformers' RoPE types (rope_parameters' rope_type) that layers.rope_frequencies computes.
+ROPE_TYPES = ("default", "linear", "llama3")
+# A sliding-window layer in config.json's layer_types (an 'L' of sliding_window_pattern).
+SLIDING = "sliding_attention"
 
 
 def config_value(hf: dict, key: str, default):
@@ -41,6 +46,41 @@ def activation(hf: dict, key: str, default: str, *, name: str | None = None) -> 
   return ACTIVATIONS[name]
 
 
+def rope_fields(hf: dict, parameters: dict | None = None,
+                default_theta: float = 10000.0) -> dict:
+  """TransformerConfig's RoPE fields (position_base, rope_scaling and what its kind reads) of
+  RoPE `parameters` (one layer type's, where transformers 5 keys rope_parameters by layer
+  type), by default config.json's `rope_parameters` (transformers 5) over the older
+  `rope_scaling`; the base from them, else config.json's `rope_theta`, else `default_theta`."""
+  if parameters is None:
+    parameters = dict(config_value(hf, "rope_scaling", {}) or {})
+    parameters.update(config_value(hf, "rope_parameters", {}) or {})
+  kind = parameters.get("rope_type", parameters.get("type", "default"))
+  if kind not in ROPE_TYPES:
+    raise ValueError(f"rope type {kind!r} is not supported; supported: {list(ROPE_TYPES)}")
+  base = parameters.get("rope_theta", config_value(hf, "rope_theta", default_theta))
+  fields = dict(position_base=float(base), rope_scaling="none" if kind == "default" else kind)
+  if kind != "default":
+    fields["rope_scaling_factor"] = float(parameters["factor"])
+  if kind == "llama3":
+    fields.update(rope_low_freq_factor=float(parameters["low_freq_factor"]),
+                  rope_high_freq_factor=float(parameters["high_freq_factor"]),
+                  rope_original_max_len=int(parameters["original_max_position_embeddings"]))
+  return fields
+
+
+def window_fields(window: int | None, layer_types: list[str]) -> dict:
+  """TransformerConfig's sliding_window and sliding_window_pattern of a window (None: none)
+  over the layers whose config.json layer type is 'sliding_attention'. The pattern is the
+  shortest that repeats into them ('LG' for Gemma 2's alternation, not one letter a layer)."""
+  letters = "".join("L" if kind == SLIDING else "G" for kind in layer_types)
+  if not window or "L" not in letters:
+    return dict(sliding_window=0, sliding_window_pattern="L")
+  period = next(p for p in range(1, len(letters) + 1)
+                if all(letters[i] == letters[i % p] for i in range(len(letters))))
+  return dict(sliding_window=int(window), sliding_window_pattern=letters[:period])
+
+
 class Layer:
   """Our parameter paths inside layer `index` of `stack` ('encoder' or 'decoder')."""
 
@@ -51,15 +91,17 @@ class Layer:
     """'self' or 'cross' attention's projections."""
     return self.path + (f"{kind}_attention",)
 
-  def attention_norm(self, kind: str = "self") -> tuple[str, ...]:
-    return self.path + (f"{kind}_attention_block", "norm")
+  def attention_norm(self, kind: str = "self", name: str = "norm") -> tuple[str, ...]:
+    """The norm before the attention ('norm'), or after it ('post_norm': post_sublayer_norm)."""
+    return self.path + (f"{kind}_attention_block", name)
 
   def ffn(self, name: str) -> tuple[str, ...]:
     """A feed-forward projection: 'wi', 'wi_gate' (gated FFNs) or 'wo'."""
     return self.path + ("ffn", name)
 
-  def ffn_norm(self) -> tuple[str, ...]:
-    return self.path + ("ffn_block", "norm")
+  def ffn_norm(self, name: str = "norm") -> tuple[str, ...]:
+    """The norm before the feed-forward network ('norm'), or after it ('post_norm')."""
+    return self.path + ("ffn_block", name)
 
 
 def grouped(fields: dict) -> bool:
@@ -210,6 +252,12 @@ def attention_entries(ours: tuple[str, ...], hf: str, names: dict[str, str], *,
   if bias if out_bias is None else out_bias:
     entries.append(Entry(ours + ("out", "bias"), (f"{o}.bias",)))
   return entries
+
+
+def qk_norm_entries(ours: tuple[str, ...], hf: str) -> list[Entry]:
+  """An attention layer's per-head query and key norms (qk_norm): `hf`.q_norm / .k_norm."""
+  return [Entry(ours + ("query_norm", "scale"), (f"{hf}.q_norm.weight",)),
+          Entry(ours + ("key_norm", "scale"), (f"{hf}.k_norm.weight",))]
 
 
 def dense_entries(ours: tuple[str, ...], hf: str, bias: bool) -> list[Entry]:
