@@ -570,7 +570,7 @@ def test_bad_input_is_one_line(folders, tmp_path):
   unsupported.mkdir()
   (unsupported / "config.json").write_text(json.dumps({"model_type": "electra"}))
   cases = [(no_tokenizer, "tokenizer"), (no_weights, "no weights"),
-           (unsupported, "not supported; supported: bart, bert, gpt2"),
+           (unsupported, "not supported; supported: bart, bert, gemma"),
            (folders("bert_bare"), "without a classification head: fine-tune it first")]
   # Chat asked of a checkpoint without a chat template, and of one whose template refuses the
   # conversation (a system turn).
