@@ -173,8 +173,9 @@ def test_remat_keeps_the_layers_window_and_gives_the_same_gradients():
   params = _init(models.DecoderOnly(config), 12)
   loss = lambda c: lambda p: jnp.sum(models.DecoderOnly(c).apply(
       {"params": p}, TOKENS, deterministic=True) ** 2)
-  value, grads = jax.value_and_grad(loss(config))(params)
-  remat_value, remat_grads = jax.value_and_grad(loss(config.replace(remat=True)))(params)
+  value, grads = jax.jit(jax.value_and_grad(loss(config)))(params)
+  remat_value, remat_grads = jax.jit(jax.value_and_grad(loss(config.replace(remat=True))))(
+      params)
   np.testing.assert_allclose(remat_value, value, rtol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), remat_grads,
                grads)
