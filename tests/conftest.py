@@ -26,9 +26,11 @@ os.environ.update(TRANSFORMER_JAX_TEST_CACHE=_COMPILATION_CACHE,
 
 # The suite's programs are tiny and most of its time is XLA compiling them: LLVM's -O0 on the
 # CPU halves that (test_train.py + test_inference.py: 202 s -> 154 s) and changes no result
-# beyond float rounding. Runs the tests start get the same flags (see `xla_flags`).
+# beyond float rounding. Runs the tests start get the same flags (see `xla_flags`); on a GPU
+# (tools/test_gpu.sh sets TEST_FULL_XLA_OPTIMIZATION) this process compiles as users do.
 _TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
-if _TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+if (_TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", "")
+    and not os.environ.get("TEST_FULL_XLA_OPTIMIZATION")):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_TEST_XLA_FLAGS}".strip()
 
 

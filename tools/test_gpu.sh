@@ -13,5 +13,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # The workers share one GPU: none may take most of its memory up front.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
+# tests/conftest.py compiles at -O0 on the CPU for speed; the GPU tests compile as users do.
+export TEST_FULL_XLA_OPTIMIZATION=1
 # pytest-benchmark (in some GPU images) only warns under xdist: off.
-exec python3 -m pytest -q -n "${TEST_WORKERS:-14}" -p no:cacheprovider -p no:benchmark "$@"
+# (pytest.ini caps workers at 4 for a workstation: lifted here.)
+exec python3 -m pytest -q -n "${TEST_WORKERS:-14}" --maxprocesses "${TEST_WORKERS:-14}" \
+    -p no:cacheprovider -p no:benchmark "$@"
