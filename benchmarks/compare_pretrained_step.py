@@ -1,7 +1,7 @@
 """Fine-tuning step time of an imported model's architecture: this project against PyTorch
 transformers, on the same shapes.
 
-  python benchmarks/compare_pretrained_step.py [--model t5-small|t5-base|gpt2-0.5b]
+  python benchmarks/compare_pretrained_step.py [--model t5-small|t5-base|gpt2-0.5b|smollm2-135m]
       [--dtype float32|bfloat16] [--device cpu|cuda] [--compile]
       [--batch_size 8 --seq_len 64 --rounds 5 --steps 3]
 
@@ -9,7 +9,9 @@ Models, the same on both sides: t5-small (60M parameters: d_model 512, 6 + 6 lay
 FFN 2048) and t5-base (223M: d_model 768, 12 + 12 layers, 12 heads, FFN 3072), T5 v1.0 (relu,
 vocabulary 32128, tied output with the d^-0.5 rescale, relative position bias); gpt2-0.5b, a
 GPT-2 (pre-LN, learned positions, tanh GELU, tied output) of 506M parameters: n_embd 1024,
-36 layers, 16 heads, 1024 positions, vocabulary 50257. Both sides: dropout 0.1,
+36 layers, 16 heads, 1024 positions, vocabulary 50257; smollm2-135m, SmolLM2-135M's sizes (30
+Llama blocks, d 576, 9 query and 3 key/value heads, SwiGLU 1536, tied, no dropout: the
+decoder_only family as gpt2-0.5b, LlamaForCausalLM in PyTorch). Both sides: dropout 0.1,
 cross-entropy without label smoothing, Adam (AdamW in PyTorch, weight decay 0), float32
 parameters (--dtype bfloat16: bf16 compute), random token ids.
 
@@ -54,16 +56,22 @@ GPT2_05B = dict(model_type="gpt2", vocab_size=50257, n_embd=1024, n_layer=36, n_
                 n_positions=1024, activation_function="gelu_new", resid_pdrop=0.1,
                 embd_pdrop=0.1, attn_pdrop=0.1, layer_norm_epsilon=1e-5,
                 tie_word_embeddings=True, bos_token_id=50256, eos_token_id=50256)
+# HuggingFaceTB/SmolLM2-135M's sizes: 30 Llama blocks, 9 query / 3 key-value heads, tied.
+SMOLLM2_135M = dict(model_type="llama", vocab_size=49152, hidden_size=576,
+                    intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, max_position_embeddings=2048, rope_theta=100000.0,
+                    rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1,
+                    eos_token_id=2)
 MODELS = {"t5-small": T5_SMALL,
           "t5-base": dict(T5_SMALL, d_model=768, d_ff=3072, num_layers=12, num_heads=12),
-          "gpt2-0.5b": GPT2_05B}
+          "gpt2-0.5b": GPT2_05B, "smollm2-135m": SMOLLM2_135M}
 
 
 def jax_runner(args):
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from transformer_jax import benchmark, default_config, families  # pylint: disable=g-import-not-at-top
-  from transformer_jax.pretrained import gpt2, t5  # pylint: disable=g-import-not-at-top
+  from transformer_jax.pretrained import gpt2, llama, t5  # pylint: disable=g-import-not-at-top
   hf, seq_len = MODELS[args.model], args.seq_len
   config = default_config.get_config()
   config.label_smoothing = 0.0
@@ -75,7 +83,8 @@ def jax_runner(args):
     # As run_config.apply sets up a GPT-2 checkpoint: its family, its fields (max_len: its
     # positions). The whole row is the target part: no source, every position weighs 1.
     families.set_family(config, "decoder_only")
-    config.model.update(gpt2.model_fields(hf, tied=True))
+    module = gpt2 if hf["model_type"] == "gpt2" else llama
+    config.model.update(module.model_fields(hf, tied=True))
     config.update(max_source_length=0, max_target_length=seq_len)
     rng = np.random.default_rng(0)
     shape = (args.batch_size, seq_len)
@@ -95,6 +104,8 @@ def torch_runner(args, compile_model: bool):
   is_t5 = MODELS[args.model]["model_type"] == "t5"
   if is_t5:
     model = transformers.T5ForConditionalGeneration(transformers.T5Config(**hf))
+  elif MODELS[args.model]["model_type"] == "llama":
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf))
   else:
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**hf))
   model = model.to(args.device).train()
