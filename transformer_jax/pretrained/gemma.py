@@ -26,15 +26,14 @@ from __future__ import annotations
 
 from typing import Collection
 
-from transformer_jax.pretrained.mapping import (GATED, SLIDING, Entry, Layer, activation,
-                                               attention_entries, config_value, dense_entries,
-                                               grouped, norm_entries, qk_norm_entries,
-                                               rope_fields, window_fields)
+from transformer_jax.pretrained.mapping import (CAUSAL_LM_EMBEDDING, CAUSAL_LM_OUTPUT, GATED,
+                                               SLIDING, Entry, Layer, activation,
+                                               causal_lm_table, config_value, dense_entries,
+                                               norm_entries, rope_fields, window_fields)
 
 MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
 FAMILY = "decoder_only"
-EMBEDDING_TENSOR, OUTPUT_TENSOR = "model.embed_tokens.weight", "lm_head.weight"
-_ATTENTION = dict(q="q_proj", k="k_proj", v="v_proj", o="o_proj")
+EMBEDDING_TENSOR, OUTPUT_TENSOR = CAUSAL_LM_EMBEDDING, CAUSAL_LM_OUTPUT
 # transformers' defaults where config.json leaves a key out (a null in it means "none").
 _FINAL_SOFTCAP = {"gemma2": 30.0, "gemma3_text": None}
 _WINDOW_PERIOD = {"gemma2": 2, "gemma3_text": 6}  # every n-th layer is global
@@ -137,16 +136,9 @@ def weight_table(hf: dict, fields: dict, names: Collection[str] | None = None) -
   # follows the attention, and pre_feedforward_layernorm comes before the network.
   ffn_norm = "pre_feedforward_layernorm" if hf["model_type"] != "gemma" else (
       "post_attention_layernorm")
-  table = [Entry(("embedding", "embedding", "embedding"), (EMBEDDING_TENSOR,), "vocab_rows")]
-  for i in range(fields["num_layers"]):
-    layer, hf_layer = Layer("decoder", i), f"model.layers.{i}"
-    table += attention_entries(layer.attention(), f"{hf_layer}.self_attn", _ATTENTION,
-                               self_attention=True, bias=fields["qkv_bias"],
-                               out_bias=fields["out_bias"], grouped_heads=grouped(fields))
-    if fields.get("qk_norm"):
-      table += qk_norm_entries(layer.attention(), f"{hf_layer}.self_attn")
-    table += norm_entries(layer.attention_norm(), f"{hf_layer}.input_layernorm", bias=False)
-    table += norm_entries(layer.ffn_norm(), f"{hf_layer}.{ffn_norm}", bias=False)
+
+  def norms_and_feed_forward(layer: Layer, hf_layer: str) -> list[Entry]:
+    table = norm_entries(layer.ffn_norm(), f"{hf_layer}.{ffn_norm}", bias=False)
     if fields.get("post_sublayer_norm"):
       table += norm_entries(layer.attention_norm(name="post_norm"),
                             f"{hf_layer}.post_attention_layernorm", bias=False)
@@ -154,7 +146,6 @@ def weight_table(hf: dict, fields: dict, names: Collection[str] | None = None) -
                             bias=False)
     for ours, theirs in (("wi_gate", "gate_proj"), ("wi", "up_proj"), ("wo", "down_proj")):
       table += dense_entries(layer.ffn(ours), f"{hf_layer}.mlp.{theirs}", bias=False)
-  table += norm_entries(("decoder", "final_norm"), "model.norm", bias=False)
-  if not fields["tie_output"]:
-    table.append(Entry(("logits_dense", "kernel"), (OUTPUT_TENSOR,), "vocab_dense"))
-  return table
+    return table
+
+  return causal_lm_table(fields, norms_and_feed_forward)

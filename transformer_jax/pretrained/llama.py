@@ -19,15 +19,14 @@ from __future__ import annotations
 
 from typing import Collection
 
-from transformer_jax.pretrained.mapping import (GATED, SLIDING, Entry, Layer, activation,
-                                               attention_entries, config_value, dense_entries,
-                                               grouped, norm_entries, qk_norm_entries,
-                                               rope_fields, window_fields)
+from transformer_jax.pretrained.mapping import (CAUSAL_LM_EMBEDDING, CAUSAL_LM_OUTPUT, GATED,
+                                               SLIDING, Entry, Layer, activation,
+                                               causal_lm_table, config_value, dense_entries,
+                                               norm_entries, rope_fields, window_fields)
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 FAMILY = "decoder_only"
-EMBEDDING_TENSOR, OUTPUT_TENSOR = "model.embed_tokens.weight", "lm_head.weight"
-_ATTENTION = dict(q="q_proj", k="k_proj", v="v_proj", o="o_proj")
+EMBEDDING_TENSOR, OUTPUT_TENSOR = CAUSAL_LM_EMBEDDING, CAUSAL_LM_OUTPUT
 _QWEN = ("qwen2", "qwen3")
 
 
@@ -84,24 +83,15 @@ def weight_table(hf: dict, fields: dict, names: Collection[str] | None = None) -
   """Every parameter of our DecoderOnly and the checkpoint tensors it comes from
   (`names` unused: *ForCausalLM's layout; an untied model's lm_head where it has one)."""
   del hf, names
-  table = [Entry(("embedding", "embedding", "embedding"), (EMBEDDING_TENSOR,), "vocab_rows")]
-  for i in range(fields["num_layers"]):
-    layer, hf_layer = Layer("decoder", i), f"model.layers.{i}"
-    table += attention_entries(layer.attention(), f"{hf_layer}.self_attn", _ATTENTION,
-                               self_attention=True, bias=fields["qkv_bias"],
-                               out_bias=fields["out_bias"], grouped_heads=grouped(fields))
-    if fields.get("qk_norm"):
-      table += qk_norm_entries(layer.attention(), f"{hf_layer}.self_attn")
-    table += norm_entries(layer.attention_norm(), f"{hf_layer}.input_layernorm", bias=False)
-    table += dense_entries(layer.ffn("wi_gate"), f"{hf_layer}.mlp.gate_proj",
-                           bias=fields["use_bias"])
-    table += dense_entries(layer.ffn("wi"), f"{hf_layer}.mlp.up_proj", bias=fields["use_bias"])
-    table += dense_entries(layer.ffn("wo"), f"{hf_layer}.mlp.down_proj", bias=fields["use_bias"])
-    table += norm_entries(layer.ffn_norm(), f"{hf_layer}.post_attention_layernorm", bias=False)
-  table += norm_entries(("decoder", "final_norm"), "model.norm", bias=False)
-  if not fields["tie_output"]:
-    table.append(Entry(("logits_dense", "kernel"), (OUTPUT_TENSOR,), "vocab_dense"))
-  return table
+
+  def feed_forward(layer: Layer, hf_layer: str) -> list[Entry]:
+    table = []
+    for ours, theirs in (("wi_gate", "gate_proj"), ("wi", "up_proj"), ("wo", "down_proj")):
+      table += dense_entries(layer.ffn(ours), f"{hf_layer}.mlp.{theirs}", bias=fields["use_bias"])
+    return table + norm_entries(layer.ffn_norm(), f"{hf_layer}.post_attention_layernorm",
+                                bias=False)
+
+  return causal_lm_table(fields, feed_forward)
 
 
 def complete_config(hf: dict, folder: str) -> dict:

@@ -274,6 +274,34 @@ def norm_entries(ours: tuple[str, ...], hf: str, bias: bool) -> list[Entry]:
   return entries
 
 
+# *ForCausalLM checkpoints of Llama's layout (Llama, Mistral, Qwen, Gemma).
+CAUSAL_LM_EMBEDDING, CAUSAL_LM_OUTPUT = "model.embed_tokens.weight", "lm_head.weight"
+_CAUSAL_LM_ATTENTION = dict(q="q_proj", k="k_proj", v="v_proj", o="o_proj")
+
+
+def causal_lm_table(fields: dict,
+                    layer_entries: Callable[[Layer, str], list[Entry]]) -> list[Entry]:
+  """Every parameter of our DecoderOnly from a checkpoint of Llama's layout: the token
+  embedding; per layer its self-attention (q/k/v/o_proj, and q_norm / k_norm with `qk_norm`),
+  the attention's input_layernorm, then `layer_entries(layer, 'model.layers.N')` (the
+  feed-forward network and its norms, which differ between the models); model.norm; an
+  untied lm_head."""
+  table = [Entry(("embedding", "embedding", "embedding"), (CAUSAL_LM_EMBEDDING,), "vocab_rows")]
+  for i in range(fields["num_layers"]):
+    layer, hf_layer = Layer("decoder", i), f"model.layers.{i}"
+    table += attention_entries(layer.attention(), f"{hf_layer}.self_attn", _CAUSAL_LM_ATTENTION,
+                               self_attention=True, bias=fields["qkv_bias"],
+                               out_bias=fields["out_bias"], grouped_heads=grouped(fields))
+    if fields.get("qk_norm"):
+      table += qk_norm_entries(layer.attention(), f"{hf_layer}.self_attn")
+    table += norm_entries(layer.attention_norm(), f"{hf_layer}.input_layernorm", bias=False)
+    table += layer_entries(layer, hf_layer)
+  table += norm_entries(("decoder", "final_norm"), "model.norm", bias=False)
+  if not fields["tie_output"]:
+    table.append(Entry(("logits_dense", "kernel"), (CAUSAL_LM_OUTPUT,), "vocab_dense"))
+  return table
+
+
 def build_params(table: Iterable[Entry], read: Callable[[str], np.ndarray], s: Shapes,
                  dtype=np.float32) -> dict:
   """Our parameter tree from the checkpoint tensors `read(name)` gives. Entries are read and
