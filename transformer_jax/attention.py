@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax import layers
+from transformer_jax import lora as lora_lib
+from transformer_jax.model_schema import LoraSpec
 
 Array = jax.Array
 # Added to masked scores. Finite, so a fully masked row gives uniform weights, not NaN.
@@ -267,6 +269,7 @@ class MultiHeadAttention(nn.Module):
   qk_norm: bool = False
   norm_epsilon: float = 1e-6
   norm_plus_one: bool = False
+  lora: LoraSpec | None = None  # low-rank adapters on the targeted projections (lora.py)
 
   @nn.compact
   def __call__(self, inputs_q: Array, inputs_kv: Array, mask: Array | None = None, *,
@@ -282,11 +285,17 @@ class MultiHeadAttention(nn.Module):
     kv_axis = "heads" if group == 1 else "kv_heads"
     # Logical axis names of the parameters, mapped to mesh axes by the jit layout's rules.
     qkv_bias, out_bias = (self.use_bias if b is None else b for b in (self.qkv_bias, self.out_bias))
-    projection = lambda parts, heads, heads_axis, name: nn.DenseGeneral(
-        (parts, heads, head_dim), dtype=self.dtype, use_bias=qkv_bias,
-        kernel_init=_partitioned(self.kernel_init, ("embed", None, heads_axis, "kv")),
-        bias_init=_partitioned(nn.initializers.zeros_init(), (None, heads_axis, "kv")),
-        name=name)
+
+    def projection(parts, heads, heads_axis, name):
+      dense = nn.DenseGeneral(
+          (parts, heads, head_dim), dtype=self.dtype, use_bias=qkv_bias,
+          kernel_init=_partitioned(self.kernel_init, ("embed", None, heads_axis, "kv")),
+          bias_init=_partitioned(nn.initializers.zeros_init(), (None, heads_axis, "kv")),
+          name=name)
+      return lambda x: lora_lib.adapted(self, self.lora, name, x, dense(x),
+                                        deterministic=deterministic, in_names=("embed",),
+                                        out_names=(heads_axis, "kv"))
+
     self_attention = inputs_q is inputs_kv
     query_norm, key_norm = self._qk_norms()
     # Fused projections: one matmul for Q, K and V in self-attention (for K and V in
@@ -338,11 +347,13 @@ class MultiHeadAttention(nn.Module):
         self.sow("intermediates", "attention_weights", weights)
     if copies > 1:
       out = out.reshape(rows, num_queries, *out.shape[2:])
-    return nn.DenseGeneral(
+    projected = nn.DenseGeneral(
         inputs_q.shape[-1], axis=(-2, -1), dtype=self.dtype, use_bias=out_bias,
         kernel_init=_partitioned(self.kernel_init, ("heads", "kv", "embed")),
         bias_init=_partitioned(nn.initializers.zeros_init(), ("embed",)),
         name="out")(out)  # [b, q, emb]
+    return lora_lib.adapted(self, self.lora, "out", out, projected, deterministic=deterministic,
+                            in_names=("heads", "kv"), out_names=("embed",))
 
   def _reference(self, query: Array, key: Array, value: Array, mask: Array | None,
                  bias: Array | None, scale: float | None,

@@ -92,7 +92,7 @@ def _attention(c: TransformerConfig, name: str, score: str = "dot_product", *,
                                       rope_base=base if rotary else None, rope_scaling=scaling,
                                       scale=scale, softcap=c.attention_softcap,
                                       qk_norm=c.qk_norm, norm_epsilon=c.layer_norm_epsilon,
-                                      norm_plus_one=c.norm_plus_one, name=name)
+                                      norm_plus_one=c.norm_plus_one, lora=c.lora, name=name)
 
 
 def rope_scaling(c: TransformerConfig) -> tuple:
@@ -121,7 +121,7 @@ def window_mask(query_positions: Array, key_positions: Array, window: int) -> Ar
 def _ffn(c: TransformerConfig):
   rate = c.dropout_rate if c.activation_dropout_rate is None else c.activation_dropout_rate
   return layers.FeedForward(c.mlp_dim, rate, c.ffn_activation, c.dtype, use_bias=c.use_bias,
-                            name="ffn")
+                            lora=c.lora, name="ffn")
 
 
 def _relative_bias(c: TransformerConfig, name: str, bidirectional: bool):

@@ -53,8 +53,9 @@ def save(manager, layout, step: int, state: train_state.TrainState, data_state: 
   if sums is not None:  # else checked at this step's log line
     check_finite(layout.host_sums(sums), step, manager)
   start = time.time()
-  saved = layout.checkpoint_state(state)
-  checkpoints.save(manager, step, saved.params, saved.opt_state, whole_data_state(data_state))
+  # The parameters trained and their optimizer state: never a LoRA run's frozen base.
+  params, opt_state = layout.checkpoint_state((state.params, state.opt_state))
+  checkpoints.save(manager, step, params, opt_state, whole_data_state(data_state))
   logging.info("Saved checkpoint %d (%.1f s; written in the background) in %s.", step,
                time.time() - start, manager.directory)
   if wait:
@@ -127,7 +128,7 @@ class BestCheckpoint:
     if not _improved(result[self.metric], self.record, self._mode):
       return False
     self.record = dict(metric=self.metric, value=float(result[self.metric]), step=step)
-    checkpoints.save_best(self.manager, step, self._layout.checkpoint_state(state).params,
+    checkpoints.save_best(self.manager, step, self._layout.checkpoint_state(state.params),
                           self.record)
     logging.info("New best %s %.4f at step %d, kept in %s.", self.metric, self.record["value"],
                  step, self.manager.directory)

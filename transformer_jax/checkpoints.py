@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from jax.experimental import multihost_utils
 
 from transformer_jax import parallel
 from transformer_jax import workdir as workdir_lib
@@ -24,6 +25,8 @@ from transformer_jax import workdir as workdir_lib
 DAMAGED_DIR = "checkpoints_damaged"
 # The parameters of the best evaluation (config.checkpoint_best_metric), one step at a time.
 BEST_DIR = "checkpoints_best"
+# A LoRA run's frozen base (lora.py), written once when the run starts, as step 0.
+LORA_BASE_DIR = "lora_base"
 
 
 class CheckpointError(RuntimeError):
@@ -120,6 +123,32 @@ def save(checkpoints: ocp.CheckpointManager, step: int, params: Any, opt_state: 
     checkpoints.save(step, args=ocp.args.Composite(**items), force=True)
   except Exception as e:  # Orbax re-raises a previous background save's error here too
     raise _save_failed(checkpoints, e) from None
+
+
+def save_lora_base(workdir: str, base: Any) -> None:
+  """Writes a LoRA run's frozen base into WORKDIR/lora_base (replacing one left by a start
+  that saved no step checkpoint after it) and waits for it: the step checkpoints hold only
+  what trains."""
+  folder = workdir_lib.path(workdir) / LORA_BASE_DIR
+  if jax.process_index() == 0 and folder.exists():
+    folder.rmtree()
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices("old lora_base removed")
+  base_manager = manager(workdir, 1, folder=LORA_BASE_DIR)
+  items = dict(params=ocp.args.StandardSave(base),
+               fingerprint=ocp.args.JsonSave({"params": fingerprint(base)}))
+  base_manager.save(0, args=ocp.args.Composite(**items), force=True)
+  base_manager.wait_until_finished()
+  base_manager.close()
+
+
+def restore_lora_base(workdir: str, like: Any) -> Any:
+  """A LoRA run's frozen base, restored into the shapes, dtypes and shardings of `like`."""
+  if not (workdir_lib.path(workdir) / LORA_BASE_DIR).exists():
+    raise CheckpointError(f"{workdir} holds LoRA adapters but not the frozen base they adapt "
+                          f"({LORA_BASE_DIR}/): restore that folder, or train in a new workdir.")
+  base, _, _ = restore(manager(workdir, read_only=True, folder=LORA_BASE_DIR), like)
+  return base
 
 
 def check_background_saves(checkpoints: ocp.CheckpointManager) -> None:

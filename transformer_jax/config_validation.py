@@ -16,6 +16,7 @@ import ml_collections
 
 from transformer_jax import families
 from transformer_jax import layers
+from transformer_jax import lora as lora_lib
 from transformer_jax import parallel
 from transformer_jax.data import hf_source
 from transformer_jax.data import prompt_format
@@ -41,6 +42,7 @@ CHOICES = {
     "model.remat_policy": ("full", "dots", "dots_no_batch"),
     "model.pooling": ("mean", "first", "attention", "cls_pooler", "cls_head"),
     "checkpoint_best_mode": ("max", "min"),
+    "lora.base_dtype": ("float32", "bfloat16"),
 }
 
 # key: (lowest, highest or None, whether the lowest is allowed, whether the highest is)
@@ -98,6 +100,9 @@ RANGES = {
     "model.logits_softcap": (0, None, True, True),
     "model.query_pre_attn_scalar": (0, None, True, True),
     "model.local_position_base": (0, None, True, True),
+    "lora.rank": (0, None, True, True),
+    "lora.alpha": (0, None, False, True),
+    "lora.dropout": (0, 1, True, False),
 }
 
 
@@ -153,7 +158,8 @@ def problems(config: ml_collections.ConfigDict, device_count: int | None = None)
 
 def _cross_key_problems(config: ml_collections.ConfigDict,
                         device_count: int | None) -> list[str]:
-  return (_model_problems(config) + _data_problems(config) + _decoding_problems(config)
+  return (_model_problems(config) + _lora_problems(config) + _data_problems(config)
+          + _decoding_problems(config)
           + _run_record_problems(config) + _rule_problems(config.parallel.logical_axis_rules)
           + _device_problems(config, device_count))
 
@@ -203,6 +209,26 @@ def _model_problems(config: ml_collections.ConfigDict) -> list[str]:
     found.append(f"config.model.max_len={m.max_len} is shorter than the longest sequence "
                  f"the model sees ({longest} tokens from max_source_length / "
                  "max_target_length); raise max_len or lower those")
+  return found
+
+
+def _lora_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """config.lora: adapters need a pretrained model, and settings without a rank do nothing."""
+  lora = config.get("lora")
+  if lora is None:
+    return []
+  if not lora.rank:
+    return [f"config.lora.{key}={lora[key]!r} is set but config.lora.rank=0 (LoRA off): set "
+            f"config.lora.rank > 0 to train adapters, or drop {key}"
+            for key in ("alpha", "init") if lora[key]]
+  found = []
+  if not config.pretrained:
+    found.append("config.lora trains adapters on a pretrained model: set config.pretrained "
+                 "(a Hugging Face folder or hub name), or config.lora.rank=0")
+  try:
+    lora_lib.targets(lora.targets)
+  except ValueError as e:
+    found.append(str(e).rstrip("."))
   return found
 
 

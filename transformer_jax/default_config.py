@@ -139,6 +139,31 @@ def get_config() -> ml_collections.ConfigDict:
   # A classifier checkpoint's head is kept when it has config.model.num_classes classes; True
   # trains a new one (from the seed) for this config's classes instead.
   config.reset_head = False
+  # LoRA (Hu et al., 2021) on a config.pretrained start: only low-rank adapters train (and a
+  # classifier's head, in full); each step's checkpoint holds them alone, the frozen base is
+  # kept once in WORKDIR/lora_base. Evaluate and predict merge them into the weights at load.
+  config.lora = ml_collections.ConfigDict(dict(
+      # Adapter rank r; 0 = off (full fine-tuning).
+      rank=0,
+      # Update scale alpha / r (alpha / sqrt(r) with rslora); None = r (scale 1).
+      alpha=ml_collections.config_dict.placeholder(float),
+      # Dropout on the adapters' input (PEFT's lora_dropout).
+      dropout=0.0,
+      # Rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski, 2023).
+      rslora=False,
+      # Adapted projections of every attention and feed-forward layer, 'all' or some of:
+      # query, key, value, attention_out, ffn_in (up and gate), ffn_out (down). Hugging Face
+      # names: q/k/v/o (T5), q_proj/k_proj/v_proj/o_proj or out_proj, gate_proj + up_proj /
+      # fc1 / wi, down_proj / fc2 / wo; BERT's query/key/value/attention.output.dense/
+      # intermediate.dense/output.dense; GPT-2's c_attn/c_proj/c_fc/mlp.c_proj.
+      targets="query,value",
+      # The frozen base's dtype in memory and in WORKDIR/lora_base: 'float32' or 'bfloat16'
+      # (half the memory; computation stays in config.model.dtype).
+      base_dtype="float32",
+      # Start the adapters from a PEFT adapter folder (adapter_config.json and
+      # adapter_model.safetensors made for config.pretrained) instead of B = 0; '' = fresh.
+      init="",
+  ))
   # SentencePiece: trained on a sample of the training split and saved in the workdir, or an
   # existing .model file given by `path` (copied into the workdir).
   config.tokenizer = ml_collections.ConfigDict(dict(

@@ -352,6 +352,10 @@ class EncoderClassifier(family_base.Family):
   def _make_model(self):
     return models.EncoderClassifier(self.model_config)
 
+  def trained_in_full(self) -> tuple[str, ...]:
+    # RoBERTa's head (pooling 'cls_head') is its dense + tanh layer and the output layer.
+    return ("head", "pooling_query") + (("pooler",) * (self.model_config.pooling == "cls_head"))
+
   def forward(self, params, batch: dict, *, deterministic: bool, rngs=None) -> Array:
     return self.model.apply({"params": params}, batch["inputs"], deterministic=deterministic,
                             rngs=rngs or {})

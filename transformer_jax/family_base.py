@@ -13,6 +13,7 @@ import ml_collections
 import numpy as np
 
 from transformer_jax import generate
+from transformer_jax import lora as lora_lib
 from transformer_jax import model_schema
 from transformer_jax import parallel
 from transformer_jax import tokenizer as tokenizer_lib
@@ -33,8 +34,13 @@ class Family(abc.ABC):
 
   def __init__(self, config: ml_collections.ConfigDict):
     self.config = config
-    self.model_config = model_schema.model_config(config.model)
+    self.model_config = model_schema.model_config(config.model, lora=lora_lib.spec(config))
     self.model = self._make_model()
+
+  def trained_in_full(self) -> tuple[str, ...]:
+    """Top-level parameters that train in full beside LoRA adapters (PEFT's
+    `modules_to_save`: a classifier's head); the rest of the model stays frozen."""
+    return ()
 
   @abc.abstractmethod
   def _make_model(self):

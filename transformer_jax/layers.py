@@ -11,6 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_jax import lora as lora_lib
+from transformer_jax.model_schema import LoraSpec
+
 Array = jax.Array
 
 
@@ -321,14 +324,21 @@ class FeedForward(nn.Module):
   dtype: Any = jnp.float32
   kernel_init: Any = nn.initializers.xavier_uniform()
   use_bias: bool = True
+  lora: LoraSpec | None = None  # low-rank adapters on the targeted projections (lora.py)
 
   @nn.compact
   def __call__(self, x: Array, *, deterministic: bool = True) -> Array:
     # Logical axis names of the parameters, mapped to mesh axes by the jit layout's rules.
-    dense = lambda features, axes, name: nn.Dense(
-        features, dtype=self.dtype, name=name, use_bias=self.use_bias,
-        kernel_init=nn.with_logical_partitioning(self.kernel_init, axes),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]))
+
+    def dense(features, axes, name):
+      projection = nn.Dense(
+          features, dtype=self.dtype, name=name, use_bias=self.use_bias,
+          kernel_init=nn.with_logical_partitioning(self.kernel_init, axes),
+          bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]))
+      return lambda x: lora_lib.adapted(self, self.lora, name, x, projection(x),
+                                        deterministic=deterministic, in_names=axes[:1],
+                                        out_names=axes[1:])
+
     if self.activation not in ACTIVATIONS:
       raise ValueError(f"Unknown feed-forward activation {self.activation!r}: use one of "
                        f"{sorted(ACTIVATIONS)}.")

@@ -136,8 +136,32 @@ class TransformerConfig:
   # (loss weight 0) is read both ways, the target causally; prompts are filled the same way.
   prefix_lm: bool = False
 
+  # ---- Adapters -------------------------------------------------------------------------
+  # Low-rank adapters on the chosen projections (lora.py; set from `config.lora`, not from
+  # `config.model`); None: none.
+  lora: "LoraSpec | None" = None
+
   def replace(self, **changes) -> "TransformerConfig":
     return dataclasses.replace(self, **changes)
+
+
+# The projections LoRA can adapt, in this project's terms (lora.py maps them to modules).
+LORA_TARGETS = ("query", "key", "value", "attention_out", "ffn_in", "ffn_out")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+  """Low-rank adapters (Hu et al., 2021): each targeted projection W gets x -> x W +
+  scale * dropout(x) A B, A [in, rank], B [rank, out] (B starts at 0)."""
+  rank: int
+  alpha: float
+  dropout: float = 0.0
+  rslora: bool = False  # scale alpha / sqrt(rank) (Kalajdzievski, 2023) instead of alpha / rank
+  targets: tuple[str, ...] = ("query", "value")
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / (self.rank ** 0.5 if self.rslora else self.rank)
 
 
 # Named sizes. base and big are the paper's (Table 3); vocab_size is set per dataset.
@@ -159,7 +183,8 @@ def named_config(size: str, **overrides) -> TransformerConfig:
 
 
 def model_config(model_dict, **overrides) -> TransformerConfig:
-  """TransformerConfig from `config.model` (dtype given by name, e.g. 'bfloat16')."""
+  """TransformerConfig from `config.model` (dtype given by name, e.g. 'bfloat16'); `overrides`
+  may add what config.model does not hold (`lora`)."""
   fields = dict(model_dict)
   fields.update(overrides)
   if isinstance(fields.get("dtype"), str):
@@ -173,7 +198,8 @@ def model_config(model_dict, **overrides) -> TransformerConfig:
 
 def as_dict(config: TransformerConfig) -> dict:
   """`config` as `config.model` holds it: every field, the dtype by name."""
-  fields = dataclasses.asdict(config)
+  fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+            if f.name != "lora"}  # config.lora holds the adapters' settings
   fields["dtype"] = jnp.dtype(fields["dtype"]).name
   return fields
 

@@ -23,6 +23,7 @@ from transformer_jax import checkpoints
 from transformer_jax import config_validation
 from transformer_jax import families
 from transformer_jax import generate
+from transformer_jax import lora as lora_lib
 from transformer_jax import parallel
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax import workdir as workdir_lib
@@ -61,7 +62,16 @@ class Predictor:
     config = config or workdir_lib.load_config(workdir)
     tokenizer = preparation.workdir_tokenizer(config, workdir)
     layout = parallel.make_layout(config, fit_devices=True)
-    init = functools.partial(families.get(config).init_params, boxed=True)
+    family = families.get(config)
+    if family.model_config.lora:  # served merged: decoding pays nothing for the adapters
+      if average_last > 1:
+        raise checkpoints.CheckpointError(
+            "--average_last averages weights, but a LoRA workdir's checkpoints hold adapters, "
+            "whose products do not average: drop --average_last.")
+      trained, base, step = restore_lora(workdir, family, step, layout)
+      params = lora_lib.merge(lora_lib.combine(trained, base), family.model_config.lora)
+      return cls(lora_lib.without(config), tokenizer, params, step, layout)
+    init = functools.partial(family.init_params, boxed=True)
     params, step = checkpoints.restore_params(workdir, init, step, average_last, layout)
     return cls(config, tokenizer, params, step, layout)
 
@@ -198,3 +208,18 @@ def chunk_lines(lines: Iterable[str], size: int) -> Iterator[list[str]]:
       chunk = []
   if chunk:
     yield chunk
+
+
+def restore_lora(workdir: str, family, step: int | str | None = None, layout=None) -> tuple:
+  """A LoRA workdir's (trained parameters at `step`: adapters and a classifier's head, frozen
+  base, step), restored into `layout`'s shardings (default: one device)."""
+  parts = lambda rng: lora_lib.split(family.init_params(rng, boxed=True),
+                                     family.trained_in_full())
+  trained, step = checkpoints.restore_params(workdir, lambda rng: parts(rng)[0], step,
+                                             layout=layout)
+  boxed = jax.eval_shape(lambda: parts(jax.random.PRNGKey(0))[1])
+  like = parallel.unbox(boxed) if layout is None else layout.abstract_params(boxed)
+  # In the dtype it was saved in (config.lora.base_dtype): its fingerprint is of those values.
+  dtype = family.config.lora.base_dtype
+  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding), like)
+  return trained, checkpoints.restore_lora_base(workdir, like), step

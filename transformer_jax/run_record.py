@@ -19,6 +19,7 @@ from transformer_jax import checkpoint_policy
 from transformer_jax import evaluation
 from transformer_jax import families
 from transformer_jax import flops
+from transformer_jax import lora as lora_lib
 from transformer_jax import metrics
 from transformer_jax import saved_config
 from transformer_jax import summary_writer
@@ -75,7 +76,8 @@ class Evaluation:
   def __call__(self, step: int, state: train_state.TrainState) -> dict:
     start = time.time()
     evaluator, writer = self._evaluator, self._writer
-    result, samples = evaluator.evaluate(state.params, self._data, self._examples,
+    params = lora_lib.state_params(state)
+    result, samples = evaluator.evaluate(params, self._data, self._examples,
                                          self._config.num_generate_examples)
     writer.write_scalars(step, dict(result, eval_time_s=time.time() - start,
                                     decode_time_s=evaluator.decode_seconds))
@@ -83,7 +85,7 @@ class Evaluation:
       writer.write_texts(step, {"samples": "\n\n---\n\n".join(samples)})
     if self._config.attention_images.layers and evaluator.first_generated is not None:
       # Every process runs the forward pass (its arrays may span them); process 0 draws.
-      maps = attention_maps.collect(self._family, self._layout.checkpoint_state(state.params),
+      maps = attention_maps.collect(self._family, self._layout.checkpoint_state(params),
                                     *evaluator.first_generated)
       if jax.process_index() == 0:
         writer.write_pngs(step, attention_maps.tensorboard_images(

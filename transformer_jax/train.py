@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from transformer_jax import checkpoint_policy
 from transformer_jax import checkpoints
 from transformer_jax import config_validation
 from transformer_jax import families
+from transformer_jax import lora as lora_lib
 from transformer_jax import metrics
 from transformer_jax import optimizer
 from transformer_jax import parallel
@@ -34,7 +36,13 @@ from transformer_jax.data import preparation
 from transformer_jax.data import sources
 
 
-def train_step(state: train_state.TrainState, batch, rng, *, family: families.Family,
+class TrainState(train_state.TrainState):
+  """Flax's train state plus a LoRA run's frozen base (None otherwise): handed to every step
+  beside the parameters it trains, never updated, never in a step's checkpoint."""
+  frozen: Any = None
+
+
+def train_step(state: TrainState, batch, rng, *, family: families.Family,
                label_smoothing: float, grad_accum_steps: int = 1,
                axis_name: str | None = parallel.AXIS):
   """One update on the global batch, under either layout (see parallel.py).
@@ -61,7 +69,9 @@ def train_step(state: train_state.TrainState, batch, rng, *, family: families.Fa
             metrics.token_metrics(logits, labels, weights, unsmoothed))
 
   def micro_step(micro_batch, dropout_rng):
-    loss_fn = lambda params: family.score_outputs(params, micro_batch, score,
+    # Differentiated by the trained parameters only: a LoRA run's base is a constant here.
+    loss_fn = lambda params: family.score_outputs(lora_lib.combine(params, state.frozen),
+                                                  micro_batch, score,
                                                   deterministic=False,
                                                   rngs={"dropout": dropout_rng})
     (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -112,12 +122,17 @@ def use_prng_impl(config: ml_collections.ConfigDict) -> None:
 
 
 def create_state(config: ml_collections.ConfigDict, family: families.Family,
-                 rng) -> train_state.TrainState:
+                 rng) -> TrainState:
   """A fresh training state. Its parameters (and their optimizer moments) are boxed with
-  their logical axis names; the layout's `create_state` places and unboxes them."""
-  return train_state.TrainState.create(apply_fn=family.model.apply,
-                                       params=family.init_params(rng, boxed=True),
-                                       tx=optimizer.make_optimizer(config))
+  their logical axis names; the layout's `create_state` places and unboxes them. With LoRA
+  the optimizer sees only the adapters (and a classifier's head): the rest is `frozen`, in
+  config.lora.base_dtype."""
+  params, frozen = family.init_params(rng, boxed=True), None
+  if family.model_config.lora:
+    params, frozen = lora_lib.split(params, family.trained_in_full())
+    frozen = lora_lib.cast(frozen, config.lora.base_dtype)
+  return TrainState.create(apply_fn=family.model.apply, params=params, frozen=frozen,
+                           tx=optimizer.make_optimizer(config))
 
 
 @contextlib.contextmanager
@@ -274,14 +289,19 @@ def _data(config: ml_collections.ConfigDict, workdir: str, family: families.Fami
 
 def _starting_state(config: ml_collections.ConfigDict, workdir: str, family: families.Family,
                     layout, tokenizer: tokenizer_lib.Tokenizer, rng, manager,
-                    train_batches: pipeline.TrainBatches) -> train_state.TrainState:
+                    train_batches: pipeline.TrainBatches) -> TrainState:
   """The state training starts from: the workdir's newest good checkpoint (and the data
   position it saved), else the pretrained weights or a fresh initialisation from `rng`.
   Saves the run's config in the workdir once a restore has succeeded (a mismatch keeps the
   old one)."""
   state = _initial_state(config, family, layout, tokenizer, rng)
+  lora = family.model_config.lora is not None
   if config.pretrained and manager.latest_step() is None:
-    state = state.replace(params=_pretrained_params(config, family, layout, rng))
+    params = _pretrained_params(config, family, layout, rng)
+    state = (_lora_start(config, workdir, family, layout, state, params) if lora
+             else state.replace(params=params))
+  elif lora:  # resuming: the base saved when the run started
+    state = state.replace(frozen=checkpoints.restore_lora_base(workdir, state.frozen))
   state = checkpoint_policy.restore(config, workdir, manager, state, train_batches)
   if jax.process_index() == 0:
     workdir_lib.save_config(workdir, config)
@@ -289,7 +309,7 @@ def _starting_state(config: ml_collections.ConfigDict, workdir: str, family: fam
 
 
 def _initial_state(config: ml_collections.ConfigDict, family: families.Family, layout,
-                   tokenizer: tokenizer_lib.Tokenizer, rng) -> train_state.TrainState:
+                   tokenizer: tokenizer_lib.Tokenizer, rng) -> TrainState:
   """A fresh training state placed by `layout`, for a model that has room for `tokenizer`."""
   if tokenizer.vocab_size > family.model_config.vocab_size:
     raise ValueError(f"The tokenizer has {tokenizer.vocab_size} pieces but config.model."
@@ -298,9 +318,32 @@ def _initial_state(config: ml_collections.ConfigDict, family: families.Family, l
   # Under jit the state is created already sharded: no device ever holds all of it.
   state = layout.create_state(functools.partial(create_state, config, family, rng))
   num_params = sum(x.size for x in jax.tree.leaves(state.params))
-  logging.info("Model: %s %s parameters; %s layout.", f"{num_params:,}", family.name,
-               layout.mode)
+  num_frozen = sum(x.size for x in jax.tree.leaves(state.frozen))
+  logging.info("Model: %s %s parameters%s; %s layout.", f"{num_params:,}", family.name,
+               f" trained, {num_frozen:,} frozen (LoRA)" if num_frozen else "", layout.mode)
   return state
+
+
+def _lora_start(config: ml_collections.ConfigDict, workdir: str, family: families.Family,
+                layout, state: TrainState, params) -> TrainState:
+  """A LoRA run's first state: the checkpoint's weights `params` as the frozen base (saved
+  once in WORKDIR/lora_base), a classifier's head among the trained parameters, and the
+  adapters the state was created with (B = 0) or those of config.lora.init."""
+  head, base = lora_lib.split(params, family.trained_in_full())
+  trainable = lora_lib.combine(head, state.params)
+  if config.lora.init:
+    from transformer_jax.pretrained import peft  # pylint: disable=g-import-not-at-top
+    boxed = lora_lib.adapters(jax.eval_shape(functools.partial(family.init_params, boxed=True),
+                                             jax.random.PRNGKey(0)))
+    adapters = peft.read_adapter(config.lora.init, config.pretrained, family.model_config,
+                                 parallel.unbox(boxed))
+    if layout.mode == "jit":
+      adapters = layout.place_params(adapters, boxed)
+    trainable = lora_lib.combine(adapters, trainable)
+    logging.info("Model: adapters of %s.", config.lora.init)
+  frozen = lora_lib.cast(base, config.lora.base_dtype)
+  checkpoints.save_lora_base(workdir, frozen)
+  return state.replace(params=trainable, frozen=frozen)
 
 
 def _pretrained_params(config: ml_collections.ConfigDict, family: families.Family, layout,
@@ -311,13 +354,15 @@ def _pretrained_params(config: ml_collections.ConfigDict, family: families.Famil
   run's would, from the seed's `rng`."""
   from transformer_jax.pretrained import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
   checkpoint = checkpoint_lib.open_checkpoint(config.pretrained)
-  boxed = jax.eval_shape(functools.partial(family.init_params, boxed=True), rng)
+  # A LoRA run's adapters start in _lora_start, not from the seed here.
+  boxed = lora_lib.drop_adapters(
+      jax.eval_shape(functools.partial(family.init_params, boxed=True), rng))
   expected = parallel.unbox(boxed)
   params = checkpoint_lib.read_params(checkpoint, expected, reset_head=config.reset_head)
   missing = checkpoint_lib.missing_params(params, expected)
   if missing:  # a classifier's head: the whole model is initialised once, on one device
-    params = checkpoint_lib.complete_params(params, jax.device_get(
-        jax.jit(family.init_params)(rng)))
+    params = checkpoint_lib.complete_params(params, lora_lib.drop_adapters(jax.device_get(
+        jax.jit(family.init_params)(rng))))
     logging.info("Model: %s start from the seed (not in the checkpoint).",
                  ", ".join(jax.tree_util.keystr(path) for path in missing))
   logging.info("Model: weights of %s (%s) imported.", config.pretrained, checkpoint.model_type)

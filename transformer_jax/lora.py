@@ -1,0 +1,211 @@
+"""Low-rank adapters (LoRA, Hu et al., 2021): the adapter module, which parameters train, and
+the adapters folded back into the weights.
+
+A targeted projection W (a Dense or DenseGeneral kernel, e.g. 'qkv' or 'wi') gets a sibling
+module '<name>_lora' holding `a` [*in, rank] and `b` [rank, *out], and computes
+x W + scale * dropout(x) a b. Fused projections ('qkv' and 'kv' in attention.py: one kernel
+[emb, parts, heads, head_dim] for query, key and value) get one adapter per targeted part, as
+PEFT gives q_proj, k_proj and v_proj one each: `a` [emb, parts, rank], `b` [parts, rank,
+heads, head_dim]. `b` starts at zero, so an adapted model starts equal to its base.
+
+Training differentiates only the adapters and a classifier's head (`split`): the base is a
+constant of the step, so it has no gradient and no optimizer state.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import traverse_util
+
+from transformer_jax.model_schema import LORA_TARGETS, LoraSpec
+
+Array = jax.Array
+SUFFIX = "_lora"
+# Our projections and the target each of their parts answers to ('qkv' has three parts).
+PROJECTION_TARGETS = {"qkv": ("query", "key", "value"), "query": ("query",),
+                      "kv": ("key", "value"), "out": ("attention_out",),
+                      "wi": ("ffn_in",), "wi_gate": ("ffn_in",), "wo": ("ffn_out",)}
+# Projections whose kernels have a parts axis after the input: [emb, parts, heads, head_dim].
+FUSED = ("qkv", "query", "kv")
+
+
+def spec(config: ml_collections.ConfigDict) -> LoraSpec | None:
+  """The adapters of `config.lora` (None with rank 0: none)."""
+  lora = config.get("lora")
+  if lora is None or not lora.rank:
+    return None
+  alpha = lora.rank if lora.alpha is None else lora.alpha
+  return LoraSpec(int(lora.rank), float(alpha), float(lora.dropout), bool(lora.rslora),
+                  targets(lora.targets))
+
+
+def targets(value) -> tuple[str, ...]:
+  """config.lora.targets ('all', a comma-separated string or a sequence) as a tuple of
+  LORA_TARGETS; ValueError naming them for anything else."""
+  names = value.split(",") if isinstance(value, str) else list(value)
+  names = [n.strip() for n in names if n.strip()]
+  if names == ["all"]:
+    return LORA_TARGETS
+  unknown = [n for n in names if n not in LORA_TARGETS]
+  if unknown or not names:
+    raise ValueError(f"config.lora.targets={value!r} matches no layer ({unknown or 'empty'}): "
+                     f"use 'all' or some of {', '.join(LORA_TARGETS)}.")
+  return tuple(dict.fromkeys(names))
+
+
+def targeted_parts(lora: LoraSpec | None, projection: str) -> tuple[int, ...]:
+  """The parts of `projection` (PROJECTION_TARGETS) that `lora` adapts."""
+  if lora is None:
+    return ()
+  return tuple(i for i, target in enumerate(PROJECTION_TARGETS[projection])
+               if target in lora.targets)
+
+
+def _a_init(fan_in: int):
+  # PEFT's kaiming_uniform(a=sqrt(5)) of lora_A: uniform within +-1/sqrt(fan_in).
+  bound = 1.0 / math.sqrt(fan_in)
+  return lambda key, shape, dtype=jnp.float32: jax.random.uniform(key, shape, dtype, -bound,
+                                                                  bound)
+
+
+class Adapter(nn.Module):
+  """scale * dropout(x) a b, the low-rank update of projection `projection`; the caller adds it
+  to the projection's output. `in_names` / `out_names`: the logical axes of the kernel's
+  input and output dims (the adapter's are split the same way under a mesh)."""
+  lora: LoraSpec
+  projection: str
+  in_names: tuple[str | None, ...]
+  out_shape: tuple[int, ...]  # a fused projection's: one part's (heads, head_dim)
+  out_names: tuple[str | None, ...]
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array, *, deterministic: bool) -> Array:
+    rank, n_in = self.lora.rank, len(self.in_names)
+    in_shape = x.shape[x.ndim - n_in:]
+    parts = targeted_parts(self.lora, self.projection)
+    fused = self.projection in FUSED
+    lead = (len(parts),) if fused else ()
+    a = self.param("a", nn.with_logical_partitioning(
+        _a_init(math.prod(in_shape)), (*self.in_names, *[None] * len(lead), None)),
+                   (*in_shape, *lead, rank))
+    b = self.param("b", nn.with_logical_partitioning(
+        nn.initializers.zeros_init(), (*[None] * len(lead), None, *self.out_names)),
+                   (*lead, rank, *self.out_shape))
+    x = nn.Dropout(self.lora.dropout)(x, deterministic=deterministic)
+    x, a, b = (v.astype(self.dtype) for v in (x, a, b))
+    low = jnp.tensordot(x, a, axes=n_in) * jnp.asarray(self.lora.scale, self.dtype)
+    if not fused:
+      return jnp.tensordot(low, b, axes=1)  # [..., *out]
+    # One update per part: [..., parts, rank] x [parts, rank, h * d] -> [..., parts, h, d].
+    update = jnp.einsum("...pr,prz->...pz", low, b.reshape(len(parts), rank, -1))
+    update = update.reshape(*low.shape[:-1], *self.out_shape)
+    total = len(PROJECTION_TARGETS[self.projection])
+    if len(parts) == total:
+      return update
+    zeros = jnp.zeros_like(update[..., 0, :, :])
+    slots = [update[..., parts.index(p), :, :] if p in parts else zeros for p in range(total)]
+    return jnp.stack(slots, axis=-3)
+
+
+def adapted(module: nn.Module, lora: LoraSpec | None, projection: str, x: Array,
+            output: Array, *, deterministic: bool, in_names: tuple, out_names: tuple) -> Array:
+  """`output` of `projection` (a submodule of `module`'s compact call, input `x`) plus its
+  adapter where `lora` targets it."""
+  if not targeted_parts(lora, projection):
+    return output
+  out_shape = output.shape[-len(out_names):]
+  return output + Adapter(lora, projection, in_names, out_shape, out_names, output.dtype,
+                          name=projection + SUFFIX, parent=module)(x, deterministic=deterministic)
+
+
+# ---- Parameter trees --------------------------------------------------------------------
+
+def is_adapter(path: tuple[str, ...]) -> bool:
+  return any(name.endswith(SUFFIX) for name in path)
+
+
+def split(params: dict, trained_in_full: tuple[str, ...] = ()) -> tuple[dict, dict]:
+  """(trainable, frozen): the adapters and the top-level entries `trained_in_full` (a
+  classifier's head), and everything else."""
+  flat = traverse_util.flatten_dict(params)
+  trains = lambda path: is_adapter(path) or path[0] in trained_in_full
+  trainable = {path: v for path, v in flat.items() if trains(path)}
+  frozen = {path: v for path, v in flat.items() if not trains(path)}
+  return traverse_util.unflatten_dict(trainable), traverse_util.unflatten_dict(frozen)
+
+
+def drop_adapters(params: Any) -> Any:
+  """`params` (nested dicts, boxed or not) without the adapters."""
+  flat = traverse_util.flatten_dict(params)
+  return traverse_util.unflatten_dict({p: v for p, v in flat.items() if not is_adapter(p)})
+
+
+def adapters(params: Any) -> Any:
+  """The adapters of `params` alone."""
+  flat = traverse_util.flatten_dict(params)
+  return traverse_util.unflatten_dict({p: v for p, v in flat.items() if is_adapter(p)})
+
+
+def state_params(state) -> dict:
+  """The whole parameter tree of a train state: its trained parameters over its frozen base
+  (train.TrainState.frozen; a full fine-tuning state has none)."""
+  return combine(state.params, getattr(state, "frozen", None))
+
+
+def combine(trainable: dict, frozen: dict | None) -> dict:
+  """The whole parameter tree of `split`'s two parts (`trainable` alone without a base)."""
+  if frozen is None:
+    return trainable
+  flat = traverse_util.flatten_dict(frozen)
+  flat.update(traverse_util.flatten_dict(trainable))
+  return traverse_util.unflatten_dict(flat)
+
+
+def cast(tree: Any, dtype) -> Any:
+  """`tree` (boxed or not) with its floating leaves in `dtype` (config.lora.base_dtype)."""
+  dtype = jnp.dtype(dtype)
+  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+                      else x, tree)
+
+
+def merge(params: dict, lora: LoraSpec) -> dict:
+  """The tree of a model without adapters: each adapter's update a b * scale added to its
+  kernel (in float32, the whole tree float32), so decoding pays nothing for it."""
+  flat = {path: jnp.asarray(v, jnp.float32)
+          for path, v in traverse_util.flatten_dict(params).items()}
+  for path in [p for p in flat if p[-2].endswith(SUFFIX) and p[-1] == "a"]:
+    projection = path[-2][:-len(SUFFIX)]
+    a, b = flat.pop(path), flat.pop(path[:-1] + ("b",))
+    kernel_path = path[:-2] + (projection, "kernel")
+    flat[kernel_path] = flat[kernel_path] + update(a, b, lora, projection)
+  return traverse_util.unflatten_dict(flat)
+
+
+def update(a: Array, b: Array, lora: LoraSpec, projection: str) -> Array:
+  """The kernel-shaped update scale * a b of one adapter."""
+  if projection not in FUSED:
+    return lora.scale * jnp.tensordot(a, b, axes=1)
+  parts = targeted_parts(lora, projection)
+  # [emb, parts, r] x [parts, r, h, d] -> [emb, parts, h, d], zero for the parts not adapted.
+  per_part = lora.scale * jnp.einsum("epr,prhd->ephd", a, b)
+  total = len(PROJECTION_TARGETS[projection])
+  zeros = jnp.zeros_like(per_part[:, 0])
+  return jnp.stack([per_part[:, parts.index(p)] if p in parts else zeros
+                    for p in range(total)], axis=1)
+
+
+def without(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """A copy of `config` for the merged model: adapters off."""
+  config = ml_collections.ConfigDict(config.to_dict())
+  config.lora.rank = 0
+  config.lora.alpha = None
+  config.lora.init = ""
+  return config
+
