@@ -190,10 +190,12 @@ def run_attention(workdir: str, text: str, output_path: str, step: int | str | N
 
 
 def run_export(workdir: str, output: str, step: int | str | None = None,
-               average_last: int = 1, config: ml_collections.ConfigDict | None = None
-               ) -> list[str]:
+               average_last: int = 1, config: ml_collections.ConfigDict | None = None,
+               export_format: str = "hf") -> list[str]:
   """Writes the workdir's checkpoint (as `run_predict` picks it) as a Hugging Face folder
-  `output`; only for workdirs trained from a pretrained checkpoint (config.pretrained)."""
+  `output` (a LoRA run's adapters merged), or with `export_format` 'peft' a LoRA run's
+  adapters alone as a PEFT adapter folder; only for workdirs trained from a pretrained
+  checkpoint (config.pretrained)."""
   from transformer_jax.pretrained import export  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   if jax.process_count() > 1:
@@ -204,9 +206,30 @@ def run_export(workdir: str, output: str, step: int | str | None = None,
     raise ValueError(f"{workdir} was trained from random weights: --mode export writes models "
                      "fine-tuned from a Hugging Face checkpoint (config.pretrained) back to "
                      "that format.")
+  if export_format == "peft":
+    return _export_adapter(workdir, output, step, average_last, config)
   predictor = predict.Predictor.from_workdir(workdir, step, average_last, config)
   params = predictor.layout.checkpoint_state(predictor.device_params)
   written = export.export(params, predictor.family.model_config, workdir, output,
                           label_names=config.label_names)
   logging.info("Exported step %s of %s to %s.", predictor.step, workdir, output)
+  return written
+
+
+def _export_adapter(workdir: str, output: str, step: int | str | None, average_last: int,
+                    config: ml_collections.ConfigDict) -> list[str]:
+  """A LoRA workdir's adapters (and a classifier's head) as a PEFT adapter folder."""
+  from transformer_jax import families  # pylint: disable=g-import-not-at-top
+  from transformer_jax.pretrained import peft  # pylint: disable=g-import-not-at-top
+  family = families.get(config)
+  if family.model_config.lora is None:
+    raise ValueError(f"{workdir} fine-tuned the whole model: --export_format peft writes LoRA "
+                     "adapters (train with --config.lora.rank=R); export it without the flag.")
+  if average_last > 1:
+    raise ValueError("--average_last averages weights, but adapters' products do not "
+                     "average: drop --average_last.")
+  trained, _, step = predict.restore_lora(workdir, family, step, with_base=False)
+  written = peft.write_adapter(trained, family.model_config, family, workdir, output,
+                               config.pretrained, config.lora.dropout)
+  logging.info("Exported the adapters of step %s of %s to %s.", step, workdir, output)
   return written

@@ -180,7 +180,7 @@ def merge(params: dict, lora: LoraSpec) -> dict:
   kernel (in float32, the whole tree float32), so decoding pays nothing for it."""
   flat = {path: jnp.asarray(v, jnp.float32)
           for path, v in traverse_util.flatten_dict(params).items()}
-  for path in [p for p in flat if p[-2].endswith(SUFFIX) and p[-1] == "a"]:
+  for path in [p for p in flat if len(p) > 1 and p[-2].endswith(SUFFIX) and p[-1] == "a"]:
     projection = path[-2][:-len(SUFFIX)]
     a, b = flat.pop(path), flat.pop(path[:-1] + ("b",))
     kernel_path = path[:-2] + (projection, "kernel")

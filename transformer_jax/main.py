@@ -32,6 +32,11 @@ flags.DEFINE_enum("mode", "train", ["train", "evaluate", "predict", "attention",
 flags.DEFINE_string("pretrained", None, "evaluate / predict: serve this Hugging Face checkpoint "
                     "(a folder or hub name) as it is, without a workdir. To fine-tune one, "
                     "train with --config.pretrained=PATH.")
+flags.DEFINE_string("adapter", None, "with --pretrained: a PEFT LoRA adapter folder made for "
+                    "that checkpoint, merged into its weights at load.")
+flags.DEFINE_enum("export_format", "hf", ["hf", "peft"], "export: 'hf' = the whole model as a "
+                  "Hugging Face folder (LoRA adapters merged), 'peft' = a LoRA run's adapters as "
+                  "a PEFT adapter folder.")
 flags.DEFINE_integer("checkpoint_step", None, "evaluate / predict / attention: this step, not "
                      "the latest.")
 flags.DEFINE_enum("checkpoint", "latest", ["latest", "best"], "evaluate / predict: 'latest' "
@@ -189,7 +194,7 @@ def _pretrained_predictor():
   from transformer_jax import predict  # pylint: disable=g-import-not-at-top
   given = [k for k in _given_config_keys() if k.startswith("decoding.") or k == "prompt_format"]
   return predict.Predictor.from_pretrained(flags.FLAGS.pretrained, flags.FLAGS.config,
-                                           given_keys=given)
+                                           given_keys=given, adapter=flags.FLAGS.adapter)
 
 
 def _run() -> None:
@@ -199,6 +204,9 @@ def _run() -> None:
   if serving and flags.FLAGS.mode not in ("evaluate", "predict"):
     raise app.UsageError("--pretrained serves a checkpoint with --mode predict or evaluate; to "
                          "fine-tune it, train with --config.pretrained=PATH.")
+  if flags.FLAGS.adapter and not serving:
+    raise ValueError("--adapter adds a PEFT adapter to --pretrained BASE; a workdir keeps its "
+                     "own adapters (train with --config.lora.rank, or --config.lora.init=DIR).")
   if workdir is None and not serving:
     raise app.UsageError("--workdir is required (or --pretrained PATH with --mode predict / "
                          "evaluate).")
@@ -227,8 +235,10 @@ def _run() -> None:
     print(json.dumps(result), flush=True)
   elif flags.FLAGS.mode == "export":
     written = commands.run_export(workdir, flags.FLAGS.output, _checkpoint(),
-                                  flags.FLAGS.average_last, config=_inference_config())
-    print(f"Wrote a Hugging Face folder {flags.FLAGS.output}: {', '.join(written)}", flush=True)
+                                  flags.FLAGS.average_last, config=_inference_config(),
+                                  export_format=flags.FLAGS.export_format)
+    kind = "PEFT adapter" if flags.FLAGS.export_format == "peft" else "Hugging Face"
+    print(f"Wrote a {kind} folder {flags.FLAGS.output}: {', '.join(written)}", flush=True)
   elif flags.FLAGS.mode == "attention":
     if not flags.FLAGS.text or flags.FLAGS.output == "-":
       raise app.UsageError('--mode attention needs --text "a source sentence" and --output '

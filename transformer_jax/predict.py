@@ -77,12 +77,14 @@ class Predictor:
 
   @classmethod
   def from_pretrained(cls, name_or_path: str, config: ml_collections.ConfigDict | None = None,
-                      given_keys: Sequence[str] | None = None) -> "Predictor":
+                      given_keys: Sequence[str] | None = None,
+                      adapter: str | None = None) -> "Predictor":
     """A Hugging Face checkpoint (folder or hub name) served as it is: its model, tokenizer
     and generation_config.json decoding. `config` (default: default_config with the
     checkpoint's lengths) supplies the task and anything else; its decoding keys named in
     `given_keys` (e.g. 'decoding.beam_size'; default: those that differ from
-    default_config's) win over the generation config."""
+    default_config's) win over the generation config. `adapter`: a PEFT LoRA adapter folder
+    made for this checkpoint, merged into its weights at load."""
     from transformer_jax import default_config  # pylint: disable=g-import-not-at-top
     from transformer_jax.pretrained import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
     from transformer_jax.pretrained import run_config  # pylint: disable=g-import-not-at-top
@@ -106,6 +108,8 @@ class Predictor:
     boxed = jax.eval_shape(functools.partial(families.get(config).init_params, boxed=True),
                            jax.random.PRNGKey(0))
     params = checkpoint_lib.read_params(checkpoint, parallel.unbox(boxed))
+    if adapter:
+      params = _with_adapter(params, adapter, checkpoint, config)
     missing = checkpoint_lib.missing_params(params, parallel.unbox(boxed))
     if missing:
       raise checkpoint_lib.PretrainedError(
@@ -210,16 +214,37 @@ def chunk_lines(lines: Iterable[str], size: int) -> Iterator[list[str]]:
     yield chunk
 
 
-def restore_lora(workdir: str, family, step: int | str | None = None, layout=None) -> tuple:
+def restore_lora(workdir: str, family, step: int | str | None = None, layout=None, *,
+                 with_base: bool = True) -> tuple:
   """A LoRA workdir's (trained parameters at `step`: adapters and a classifier's head, frozen
-  base, step), restored into `layout`'s shardings (default: one device)."""
+  base or None without `with_base`, step), restored into `layout`'s shardings (default: one device)."""
   parts = lambda rng: lora_lib.split(family.init_params(rng, boxed=True),
                                      family.trained_in_full())
   trained, step = checkpoints.restore_params(workdir, lambda rng: parts(rng)[0], step,
                                              layout=layout)
+  if not with_base:
+    return trained, None, step
   boxed = jax.eval_shape(lambda: parts(jax.random.PRNGKey(0))[1])
   like = parallel.unbox(boxed) if layout is None else layout.abstract_params(boxed)
   # In the dtype it was saved in (config.lora.base_dtype): its fingerprint is of those values.
   dtype = family.config.lora.base_dtype
   like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding), like)
   return trained, checkpoints.restore_lora_base(workdir, like), step
+
+
+def _with_adapter(params: dict, adapter: str, checkpoint, config: ml_collections.ConfigDict
+                  ) -> dict:
+  """`params` of `checkpoint` with the PEFT adapter in folder `adapter` merged into them (and
+  the classifier head it saved, if any)."""
+  from transformer_jax.pretrained import peft  # pylint: disable=g-import-not-at-top
+  adapted = ml_collections.ConfigDict(config.to_dict())
+  adapted.lora.update(peft.settings(adapter, checkpoint))
+  family = families.get(adapted)
+  boxed = jax.eval_shape(functools.partial(family.init_params, boxed=True),
+                         jax.random.PRNGKey(0))
+  expected = parallel.unbox(lora_lib.split(boxed, family.trained_in_full())[0])
+  adapters = peft.read_adapter(adapter, checkpoint, family.model_config, expected,
+                               family.trained_in_full())
+  logging.info("Merged the LoRA adapter of %s into %s.", adapter, checkpoint.folder)
+  return jax.device_get(lora_lib.merge(lora_lib.combine(adapters, params),
+                                       family.model_config.lora))

@@ -168,7 +168,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """
   if config.pretrained:
     from transformer_jax.pretrained import run_config  # pylint: disable=g-import-not-at-top
-    run_config.apply(config, run_config.run_checkpoint(config, workdir))
+    checkpoint = run_config.run_checkpoint(config, workdir)
+    run_config.apply(config, checkpoint)
+    if config.lora.init:  # the adapter's rank, alpha and targets
+      from transformer_jax.pretrained import peft  # pylint: disable=g-import-not-at-top
+      config.lora.update(peft.settings(config.lora.init, checkpoint))
   config_validation.validate(config, jax.device_count())
   # A missing split or column is found before the workdir is made.
   sources.check_dataset(config, ("train", config.eval_split))
@@ -332,14 +336,16 @@ def _lora_start(config: ml_collections.ConfigDict, workdir: str, family: familie
   head, base = lora_lib.split(params, family.trained_in_full())
   trainable = lora_lib.combine(head, state.params)
   if config.lora.init:
+    from transformer_jax.pretrained import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
     from transformer_jax.pretrained import peft  # pylint: disable=g-import-not-at-top
-    boxed = lora_lib.adapters(jax.eval_shape(functools.partial(family.init_params, boxed=True),
-                                             jax.random.PRNGKey(0)))
-    adapters = peft.read_adapter(config.lora.init, config.pretrained, family.model_config,
-                                 parallel.unbox(boxed))
-    if layout.mode == "jit":
-      adapters = layout.place_params(adapters, boxed)
+    boxed, _ = lora_lib.split(jax.eval_shape(
+        functools.partial(family.init_params, boxed=True), jax.random.PRNGKey(0)),
+                              family.trained_in_full())
+    adapters = peft.read_adapter(config.lora.init, checkpoint_lib.open_checkpoint(
+        config.pretrained), family.model_config, parallel.unbox(boxed), family.trained_in_full())
     trainable = lora_lib.combine(adapters, trainable)
+    if layout.mode == "jit":
+      trainable = layout.place_params(trainable, boxed)
     logging.info("Model: adapters of %s.", config.lora.init)
   frozen = lora_lib.cast(base, config.lora.base_dtype)
   checkpoints.save_lora_base(workdir, frozen)
