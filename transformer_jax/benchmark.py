@@ -64,10 +64,11 @@ def _timed(fn, steps: int, warmup: int) -> float:
 
 
 def train_step_runner(config, family, batch_size: int, seq_len: int,
-                      batch: dict | None = None) -> Callable[[], None]:
+                      batch: dict | None = None, with_state: bool = False):
   """A call that runs one training step (config.parallel's layout) on fixed random tokens (or
   the host arrays of `batch`, e.g. a classifier's inputs and labels) and blocks until it is
-  done; the state it updates lives in the closure."""
+  done; the state it updates lives in the closure (`with_state`: also a call that returns
+  it)."""
   train.use_prng_impl(config)
   layout = parallel.make_layout(config)
   if batch is None:
@@ -84,7 +85,7 @@ def train_step_runner(config, family, batch_size: int, seq_len: int,
     holder["state"], sums = step(holder["state"], batch, dropout)
     jax.block_until_ready(sums)
 
-  return run
+  return (run, lambda: holder["state"]) if with_state else run
 
 
 def train_speed(config, family, batch_size: int, seq_len: int, steps: int, warmup: int,

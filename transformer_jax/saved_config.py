@@ -15,7 +15,8 @@ from transformer_jax import workdir as workdir_lib
 FIXED_KEYS = ("task", "architecture", "dataset", "local", "tfds", "huggingface", "splits",
               "demo.num_train", "demo.num_validation", "demo.num_test", "demo.seed", "data_seed",
               "label_names", "mixture", "tokenizer", "max_source_length", "max_target_length",
-              "model")
+              "model", "lora.rank", "lora.alpha", "lora.rslora", "lora.targets",
+              "lora.base_dtype")
 
 
 def get_config(workdir: str) -> ml_collections.ConfigDict:

@@ -49,23 +49,26 @@ class Site:
 
 
 def sites(table: list[mapping.Entry]) -> dict[str, Site]:
-  """HF module name -> Site, for every kernel of `table` an adapter can sit on."""
+  """HF module name -> Site, for every kernel of `table` an adapter can sit on (PEFT's format
+  reaches those of `_check_supported` kinds)."""
   found = {}
   for entry in table:
     if entry.path[-1] != "kernel" or entry.path[-2] not in lora_lib.PROJECTION_TARGETS:
       continue
     projection = entry.path[-2]
     adapter = entry.path[:-2] + (projection + lora_lib.SUFFIX,)
-    if entry.kind == "fused_in":
-      # GPT-2's c_attn: one module for q, k and v, whose one lora_A PEFT shares between them.
-      raise files.PretrainedError(
-          "PEFT adapters of GPT-2's fused c_attn are not supported: train with "
-          "--config.lora.targets=attention_out,ffn_in,ffn_out (c_proj, c_fc, mlp.c_proj).")
     for part, name in enumerate(entry.hf):
-      if entry.kind in _PLAIN + ("heads_in",):
-        module = name.removesuffix(".weight")
-        found[module] = Site(module, adapter, projection, part, entry.kind)
+      module = name.removesuffix(".weight")
+      found[module] = Site(module, adapter, projection, part, entry.kind)
   return found
+
+
+def _check_supported(site: Site) -> None:
+  if site.kind not in _PLAIN + ("heads_in",):
+    # GPT-2's c_attn: one module for q, k and v, whose one lora_A PEFT shares between them.
+    raise files.PretrainedError(
+        f"PEFT adapters of {site.module} (q, k and v fused, one lora_A for all three) are not "
+        "supported: use --config.lora.targets=attention_out,ffn_in,ffn_out.")
 
 
 def _head_entries(table: list[mapping.Entry], trained_in_full: tuple[str, ...]) -> list:
@@ -105,6 +108,7 @@ def write_adapter(trained: dict, model_config: model_schema.TransformerConfig, f
   for name, site in sites(table).items():
     if site.adapter + ("a",) not in flat:
       continue
+    _check_supported(site)
     pair = to_peft(site, flat[site.adapter + ("a",)], flat[site.adapter + ("b",)], lora)
     if pair is None:
       continue
@@ -184,6 +188,7 @@ def settings(folder: str, checkpoint: checkpoint_lib.Checkpoint) -> dict:
     if site is None:
       unknown.append(name)
     else:
+      _check_supported(site)
       targets.add(lora_lib.PROJECTION_TARGETS[site.projection][site.part])
   if unknown or not targets:
     raise files.PretrainedError(
@@ -224,6 +229,7 @@ def read_adapter(folder: str, checkpoint: checkpoint_lib.Checkpoint,
     if site is None:
       raise files.PretrainedError(f"The adapter in {folder} adapts {name}, which this model "
                                   "does not have: it was made for another base model.")
+    _check_supported(site)
     a_hf = tensors[f"{PREFIX}{name}.lora_A.weight"]
     b_hf = tensors[f"{PREFIX}{name}.lora_B.weight"]
     a, b = (flat.setdefault(site.adapter + (k,), np.zeros(
