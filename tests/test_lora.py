@@ -19,6 +19,7 @@ from tests.conftest import make_tiny_config
 from transformer_jax import checkpoints
 from transformer_jax import commands
 from transformer_jax import families
+from transformer_jax import layer_decay
 from transformer_jax import lora as lora_lib
 from transformer_jax import models
 from transformer_jax import predict
@@ -102,6 +103,13 @@ def test_adapters_start_as_the_base(kind, config_update, folders, data_cache):
   theirs = base.model.apply({"params": params}, *inputs, deterministic=True)
   assert len(jax.tree.leaves(adapters)) > 10
   np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+  # Layer-wise learning-rate decay scales an adapter as the kernel it adapts.
+  decay = traverse_util.flatten_dict(layer_decay.multipliers(lora_lib.combine(adapters, params),
+                                                             0.5))
+  for path, factor in decay.items():
+    if lora_lib.is_adapter(path):
+      kernel = path[:-2] + (path[-2].removesuffix(lora_lib.SUFFIX), "kernel")
+      assert factor == decay[kernel] < 1
 
 
 def test_training_moves_only_the_adapters(t5_run, folders):
@@ -255,13 +263,14 @@ def test_training_continues_from_a_peft_adapter(folders, tmp_path, data_cache):
 
 
 def test_lora_on_an_eight_device_mesh_equals_one_device(folders, tmp_path, data_cache):
-  """Llama (2 key/value heads) with adapters on every projection over a data 2 x fsdp 2 x
-  tensor 2 mesh, against pmap on one device: the same losses, the same adapters."""
+  """Llama (2 key/value heads) with adapters on every projection and a bfloat16 base, over a
+  data 2 x fsdp 2 x tensor 2 mesh, against pmap on one device: the same losses and adapters."""
   def run(name, devices, *overrides):
     workdir = str(tmp_path / name)
     result = cli.run(workdir, "--config.architecture=decoder_only",
                      f"--config.pretrained={folders('llama')}", "--config.lora.rank=4",
-                     "--config.lora.targets=all", "--config.num_train_steps=6",
+                     "--config.lora.targets=all", "--config.lora.base_dtype=bfloat16",
+                     "--config.num_train_steps=6",
                      "--config.eval_every_steps=6", "--config.checkpoint_every_steps=6",
                      "--config.learning_rate=3e-3", "--config.num_generate_examples=0",
                      "--config.model.dropout_rate=0",  # the same masks on every layout
@@ -274,7 +283,8 @@ def test_lora_on_an_eight_device_mesh_equals_one_device(folders, tmp_path, data_
              "--config.parallel.data=2", "--config.parallel.fsdp=2",
              "--config.parallel.tensor=2")
   lora_family = families.get(workdir_lib.load_config(one))
-  ours, _, _ = predict.restore_lora(one, lora_family, with_base=False)
+  ours, base, _ = predict.restore_lora(one, lora_family)
+  assert {x.dtype for x in jax.tree.leaves(base)} == {jnp.dtype("bfloat16")}  # half the memory
   theirs, _, _ = predict.restore_lora(mesh, lora_family, with_base=False)
   for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
