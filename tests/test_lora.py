@@ -53,6 +53,7 @@ def _t5_config(folder: str, data_cache: str, steps: int):
   config = make_tiny_config(data_cache)
   config.pretrained = folder
   config.num_train_steps, config.eval_every_steps, config.learning_rate = steps, 10, 3e-3
+  config.num_generate_examples = 0  # evaluations score the loss: no decoding to compile
   config.lora.update(rank=4, alpha=8.0, targets="all")
   config.decoding.update(method="greedy", max_decode_len=8)
   return config
@@ -248,7 +249,8 @@ def test_training_continues_from_a_peft_adapter(folders, tmp_path, data_cache):
   _random_peft_adapter(base, adapter_dir, ["q_proj", "v_proj"])
   config = make_tiny_config(data_cache)
   config.update(architecture="decoder_only", pretrained=folders("llama"), num_train_steps=1,
-                learning_rate=1e-9, warmup_steps=1, eval_every_steps=1)
+                learning_rate=1e-9, warmup_steps=1, eval_every_steps=1,
+                num_generate_examples=0)
   config.lora.init = adapter_dir  # its rank, alpha and targets come with it
   workdir = str(tmp_path / "run")
   train.train_and_evaluate(config, workdir)
