@@ -8,6 +8,7 @@ import json
 import math
 import re
 import signal
+import socket
 import sys
 import urllib.error
 import urllib.request
@@ -23,18 +24,17 @@ from transformer_jax import predict
 from transformer_jax import train
 
 TEXTS = ["a man is riding a bike", "two dogs play in the snow", "a woman", "people walk"]
-# Few compiled shapes: prompts of 8 / 16 (/ 24) tokens x batches of 1, 2, 4 rows.
-SERVE = ("--config.serve.max_batch_size=4",)
 
 
 class Server:
   """A `--mode serve` process on a free port, with an openai client for it."""
 
-  def __init__(self, *args, api_key=None):
+  def __init__(self, *args, api_key=None, max_batch_size=2):
     self.port = cli.free_port()
     extra = dict(TRANSFORMER_JAX_API_KEY=api_key) if api_key else {}
     self.process = cli.Run([sys.executable, "-m", "transformer_jax.main", "--mode", "serve",
-                            "--port", str(self.port), *SERVE, *args],
+                            "--port", str(self.port),
+                            f"--config.serve.max_batch_size={max_batch_size}", *args],
                            cwd=ROOT, env=cli.env(**extra))
     # Not in cli.STARTED, which is emptied after each test: module fixtures stop the servers.
     self.url = f"http://127.0.0.1:{self.port}"
@@ -76,8 +76,7 @@ class Server:
 def workdir(tmp_path_factory, data_cache):
   path = str(tmp_path_factory.mktemp("served"))
   config = make_tiny_config(data_cache)
-  config.num_train_steps = 10
-  config.eval_every_steps = 10
+  config.update(num_train_steps=10, eval_every_steps=10, num_generate_examples=0)
   train.train_and_evaluate(config, path)
   return path
 
@@ -88,7 +87,8 @@ MIN_LENGTH = "--config.decoding.min_length=3"
 
 @pytest.fixture(scope="module")
 def seq2seq(workdir):
-  server = Server("--workdir", workdir, MIN_LENGTH)
+  # Few compiled shapes: prompts of 8, 16, 24 tokens x batches of 1, 2, 4 rows.
+  server = Server("--workdir", workdir, MIN_LENGTH, max_batch_size=4)
   yield server
   server.process.kill()
   print(server.process.output()[1][-5000:])  # shown where a test failed
@@ -270,5 +270,12 @@ def test_classifier_answers_classifications_with_predict_probabilities(tmp_path)
 
 def test_bad_serve_flags_are_one_line_errors(workdir):
   result = cli.run_main("--mode", "serve", "--workdir", workdir, "--port", "70000")
-  assert result.returncode != 0
-  assert re.search("port", cli.user_error(result.stderr))
+  assert result.returncode == 2
+  assert re.search("port=70000", cli.user_error(result.stderr))
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = str(taken.getsockname()[1])
+    result = cli.run_main("--mode", "serve", "--workdir", workdir, "--port", port)
+  assert result.returncode == 1
+  assert "Cannot listen on 127.0.0.1" in cli.user_error(result.stderr)

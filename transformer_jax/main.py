@@ -33,7 +33,8 @@ flags.DEFINE_enum("mode", "train", ["train", "evaluate", "predict", "attention",
                   "folder (--output DIR), or serve it over HTTP (OpenAI's API).")
 flags.DEFINE_string("host", "127.0.0.1", "serve: the address to listen on (0.0.0.0: every "
                     "interface; then set --api_key).")
-flags.DEFINE_integer("port", 8000, "serve: the port to listen on.")
+flags.DEFINE_integer("port", 8000, "serve: the port to listen on.", lower_bound=1,
+                     upper_bound=65535)
 flags.DEFINE_string("api_key", None, "serve: requests must send 'Authorization: Bearer KEY' "
                     "(default: $TRANSFORMER_JAX_API_KEY; none: no key needed).")
 flags.DEFINE_string("pretrained", None, "evaluate / predict / serve: serve this Hugging Face "
@@ -209,8 +210,6 @@ def _run() -> None:
   if workdir is None and not serving:
     raise app.UsageError("--workdir is required (or --pretrained PATH with --mode predict / "
                          "evaluate / serve).")
-  if flags.FLAGS.mode == "serve" and not 0 < flags.FLAGS.port < 65536:
-    raise app.UsageError(f"--port {flags.FLAGS.port}: use a port in 1..65535.")
   if flags.FLAGS.mode == "train" and flags.FLAGS.config is None:
     raise app.UsageError("Training needs --config, e.g. --config configs/demo.py.")
   if flags.FLAGS.mode == "export" and flags.FLAGS.output == "-":
@@ -257,6 +256,7 @@ def _run() -> None:
 
 def _serve(workdir: str | None, serving: bool) -> None:
   from transformer_jax.serving import server  # pylint: disable=g-import-not-at-top
+  server.check_address(flags.FLAGS.host, flags.FLAGS.port)  # before the minutes of loading
   given = [k for k in _given_config_keys() if k.startswith("decoding.") or k == "prompt_format"]
   predictor = server.load_model(
       workdir, flags.FLAGS.pretrained, None if serving else _checkpoint(),

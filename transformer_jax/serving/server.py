@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 from typing import Sequence
 
@@ -46,6 +47,19 @@ def model_name(workdir: str | None, pretrained: str | None) -> str:
     return pretrained if not os.path.isdir(pretrained) else os.path.basename(
         os.path.normpath(pretrained))
   return os.path.basename(os.path.normpath(workdir))
+
+
+def check_address(host: str, port: int) -> None:
+  """Raises ValueError where `host`:`port` cannot be listened on (in use, not this
+  machine's), before the model is loaded and compiled."""
+  try:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+      probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      probe.bind((host, port))
+  except OSError as e:
+    raise ValueError(f"Cannot listen on {host}:{port}: {e.strerror or e}; pick another --port "
+                     "or --host.") from e
 
 
 def check_host(host: str, api_key: str | None) -> None:
