@@ -2,7 +2,8 @@
 concurrencies, against a server this script starts (and stops) on 127.0.0.1.
 
   python benchmarks/serve_load.py --workdir runs/demo
-  python benchmarks/serve_load.py --pretrained DIR --max_tokens 16 -- --config.max_source_length=16
+  python benchmarks/serve_load.py --smollm2_135m /tmp/smollm2_135m --max_tokens 16 --fixed_length \
+      -- --config.max_source_length=16 --config.max_target_length=16
 
 Each of `--concurrency` clients sends its next request as soon as the last is answered, for
 `--requests` requests per concurrency (after a warm-up round); prompts are sentences of
@@ -30,12 +31,13 @@ import urllib.request
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Sentences of the demo's grammar (configs/demo.py's test split), of 5 to 13 words.
 SENTENCES = [
-    "the dog sees the cat", "a woman reads a book in the garden",
-    "the children who live next door play football every afternoon",
-    "my brother", "we know that the teacher helps the students",
-    "the old man gives the small boy an apple", "she sleeps",
-    "the friends of the doctor buy a new car",
+    "He hopes that our tired woman feeds a key.", "A brave mouse brings a cup to the red horse.",
+    "Now the girl sees my red cup.", "I think that my mice find our lazy friend.",
+    "A girl watches young apples.", "Our big children like the woman.",
+    "They believe that my teacher has given my new apple to our friend.",
+    "A brave friend has visited my small neighbour.",
 ]
 
 
@@ -103,11 +105,32 @@ def measure(url: str, concurrency: int, count: int, max_tokens: int) -> dict:
           "p99_s": float(np.percentile(latencies, 99))}
 
 
+def make_smollm2_135m(folder: str) -> str:
+  """A Hugging Face folder of a SmolLM2-135M-size Llama (30 blocks, 576 wide, 9 query / 3
+  key-value heads, vocabulary 49152) with random weights and a small byte-level BPE tokenizer
+  trained here (tests/hf_fixtures.py; ids past it are padding rows): no download needed."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, ROOT)
+  from tests import hf_fixtures  # pylint: disable=g-import-not-at-top
+  files = hf_fixtures.llama_tokenizer_files(folder, hf_fixtures.model_sentences("en"))
+  config = transformers.LlamaConfig(
+      vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+      rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+      bos_token_id=files.tokenizer.bos_token_id, eos_token_id=files.tokenizer.eos_token_id)
+  torch.manual_seed(0)
+  transformers.LlamaForCausalLM(config).save_pretrained(folder)
+  return folder
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   model = parser.add_mutually_exclusive_group(required=True)
   model.add_argument("--workdir")
   model.add_argument("--pretrained")
+  model.add_argument("--smollm2_135m", metavar="DIR", help="build a random SmolLM2-135M-size "
+                     "checkpoint in DIR (if not there yet) and serve it")
   parser.add_argument("--concurrency", default="1,8,32")
   parser.add_argument("--requests", type=int, default=64, help="per concurrency")
   parser.add_argument("--max_tokens", type=int, default=28)
@@ -115,6 +138,10 @@ def main():
   parser.add_argument("--start_timeout", type=float, default=1800)
   parser.add_argument("server_args", nargs="*")
   args = parser.parse_args()
+  if args.smollm2_135m:
+    if not os.path.exists(os.path.join(args.smollm2_135m, "config.json")):
+      make_smollm2_135m(args.smollm2_135m)
+    args.pretrained = args.smollm2_135m
   port = free_port()
   url = f"http://127.0.0.1:{port}/v1/completions"
   with tempfile.NamedTemporaryFile("w+", prefix="serve_load_", suffix=".log",

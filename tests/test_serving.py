@@ -253,7 +253,7 @@ def test_decoder_only_raw_and_chat_equal_predict_greedy_and_need_the_key(llama):
 
 def test_classifier_answers_classifications_with_predict_probabilities(tmp_path):
   folder = hf_fixtures.tiny_model("bert", str(tmp_path / "bert"))
-  server = Server("--pretrained", folder)
+  server = Server("--pretrained", folder, "--config.max_source_length=16")
   cli.STARTED.append(server.process)  # stopped after this test
   predictor = predict.Predictor.from_pretrained(folder)
   expected = predictor.predict_nbest(TEXTS, predictor.config.model.num_classes)

@@ -15,6 +15,7 @@ between threads); only decoding runs on the engine's thread.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import math
 import secrets
@@ -83,13 +84,16 @@ class Service:
     seed = request.seed if request.seed is not None else secrets.randbits(31)
     rows = []
     for i, prompt in enumerate(prompts):
-      for key in batch_decoder.sampling_keys(seed, i, request.n, self.max_n):
+      for choice in range(request.n):
         rows.append(batch_decoder.Row(prompt, max_tokens, temperature, max(top_k, 0), top_p,
-                                      key))
+                                      seed, i, choice))
     return rows, max_tokens
 
   async def run(self, rows: list[batch_decoder.Row]) -> list[batch_decoder.Output]:
-    futures = self.engine.submit(rows)
+    try:
+      futures = self.engine.submit(rows)
+    finally:
+      _arrived(self.engine)
     logging.info("Received request: %d rows queued.", len(rows))
     return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
 
@@ -112,7 +116,18 @@ def create_app(service: Service, api_key: str | None = None) -> fastapi.FastAPI:
         request.headers.get("authorization") != f"Bearer {api_key}"):
       return _error(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'.",
                     code="invalid_api_key")
-    return await call_next(request)
+    if request.method != "POST":
+      return await call_next(request)
+    # Counted as arriving until its rows are queued (or it fails first): the engine waits a
+    # little for them before it starts a batch.
+    _ARRIVING.set(arriving := [True])
+    service.engine.arriving += 1
+    try:
+      return await call_next(request)
+    finally:
+      if arriving[0]:
+        arriving[0] = False
+        service.engine.arriving -= 1
 
   @app.get("/health")
   async def health():
@@ -161,6 +176,19 @@ def create_app(service: Service, api_key: str | None = None) -> fastapi.FastAPI:
             "usage": protocol.usage(prompt_tokens, 0)}
 
   return app
+
+
+# The current request's "still arriving" flag, shared by the middleware and the route (the
+# event loop runs both, so the engine's count needs no lock).
+_ARRIVING: contextvars.ContextVar = contextvars.ContextVar("arriving")
+
+
+def _arrived(engine: engine_lib.Engine) -> None:
+  """The current request's rows are queued (or it failed): no longer arriving."""
+  arriving = _ARRIVING.get(None)
+  if arriving and arriving[0]:
+    arriving[0] = False
+    engine.arriving -= 1
 
 
 def _prompt_list(prompt) -> list:

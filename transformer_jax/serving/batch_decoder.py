@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
+import jax
 import numpy as np
 
 from transformer_jax import decoding
@@ -28,7 +29,11 @@ class Row:
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
-  key: np.ndarray | None = None  # uint32 [2], the row's sampling key (None: greedy)
+  # The row samples with fold_in(fold_in(PRNGKey(seed), prompt_index), choice): fixed by the
+  # request's seed and the row's place in it, whatever batch the row is decoded in.
+  seed: int = 0
+  prompt_index: int = 0
+  choice: int = 0
 
 
 @dataclasses.dataclass
@@ -86,8 +91,13 @@ class BatchDecoder:
     def per_device(params, prompts, rows):
       cache, tokens_to_logits, start_id = family.start_decoding(params, prompts,
                                                                 prompts.shape[0], length)
+      # Keys derived here, in the decoding thread's program: a JAX call on the server's event
+      # loop would wait for the batch being decoded.
+      keys = jax.vmap(lambda seed, prompt, choice: jax.random.fold_in(
+          jax.random.fold_in(jax.random.PRNGKey(seed), prompt), choice))(
+              rows["seed"], rows["prompt_index"], rows["choice"])
       return decoding.sample(
-          cache, tokens_to_logits, rows["key"], batch_size=prompts.shape[0], bos_id=start_id,
+          cache, tokens_to_logits, keys, batch_size=prompts.shape[0], bos_id=start_id,
           eos_id=tokenizer_lib.EOS_ID, end_ids=end_ids, max_decode_len=length,
           temperature=rows["temperature"], top_k=rows["top_k"], top_p=rows["top_p"],
           row_limits=rows["max_tokens"], return_token_logprobs=True,
@@ -137,14 +147,14 @@ def _settings(rows: Sequence[Row], count: int) -> dict[str, np.ndarray]:
   """Per-row settings, padded to `count` rows with greedy one-token rows."""
   pad = count - len(rows)
   column = lambda values, dtype, fill: np.asarray(list(values) + [fill] * pad, dtype)
-  zero_key = np.zeros((2,), np.uint32)
   return {
       "temperature": column((r.temperature for r in rows), np.float32, 0.0),
       "top_k": column((r.top_k for r in rows), np.int32, 0),
       "top_p": column((r.top_p for r in rows), np.float32, 1.0),
       "max_tokens": column((r.max_tokens for r in rows), np.int32, 1),
-      "key": np.stack([zero_key if r.key is None else np.asarray(r.key, np.uint32)
-                       for r in rows] + [zero_key] * pad)}
+      "seed": column((r.seed % 2**31 for r in rows), np.int32, 0),
+      "prompt_index": column((r.prompt_index for r in rows), np.int32, 0),
+      "choice": column((r.choice for r in rows), np.int32, 0)}
 
 
 def max_new_tokens(family, config) -> int:
@@ -156,10 +166,3 @@ def max_new_tokens(family, config) -> int:
     raise ValueError(f"config.model.max_len={config.model.max_len} leaves no room to generate "
                      f"after a {longest_prompt}-token prompt: lower max_source_length.")
   return min(config.max_target_length, room)
-
-
-def sampling_keys(seed: int, prompt_index: int, n: int, max_n: int) -> list[np.ndarray]:
-  """The keys of a request's `n` choices of prompt `prompt_index`, seeded `seed`: fixed by
-  these alone, whatever batch each row is decoded in (as generate.row_keys: fold_in(fold_in(
-  seed, prompt), choice); `max_n` rows are folded, so that one compiled program serves all)."""
-  return list(generate.row_keys(seed % 2**31, prompt_index, max_n)[:n])

@@ -3,7 +3,9 @@
 Requests put their rows (a prompt x n choices each) on a queue; the decode thread takes the
 first waiting row, then more until serve.max_batch_size rows or serve.max_wait_ms have
 passed, and decodes them as one batch (rows of different requests and settings together:
-batch_decoder.py). Each row's result goes back through its own future, so a request is
+batch_decoder.py). Requests the server has received but is still reading (`arriving`, counted
+by the app) are waited for a little longer (ARRIVING_WAIT_S): under a burst the event loop
+hands rows over one by one, and a batch started at once would hold only the first. Each row's result goes back through its own future, so a request is
 answered when all of its rows are, whichever batches they were in. A batch that fails is
 retried row by row, so that one bad row fails only its own request.
 """
@@ -21,6 +23,10 @@ from absl import logging
 from transformer_jax.serving import batch_decoder
 
 
+# How long a batch may wait, beyond serve.max_wait_ms, for requests already received.
+ARRIVING_WAIT_S = 0.05
+
+
 class QueueFullError(Exception):
   """More rows wait than serve.max_queue allows (HTTP 429)."""
 
@@ -34,6 +40,7 @@ class Engine:
     self.max_queue = max_queue
     self._queue: queue.Queue = queue.Queue()
     self._waiting = 0  # rows queued, not yet taken into a batch
+    self.arriving = 0  # requests received, not yet queued (the event loop counts them)
     self._lock = threading.Lock()
     self._thread = threading.Thread(target=self._loop, name="decode", daemon=True)
     self._thread.start()
@@ -67,10 +74,14 @@ class Engine:
     batch = [first]
     deadline = time.monotonic() + self.max_wait
     while len(batch) < self.decoder.max_batch_size:
+      now = time.monotonic()
+      waiting = now < deadline or (self.arriving > 0 and now < deadline + ARRIVING_WAIT_S)
       try:
-        item = self._queue.get(timeout=max(deadline - time.monotonic(), 0)) if (
-            time.monotonic() < deadline) else self._queue.get_nowait()
+        # Short polls while waiting, so that the `arriving` count is read afresh.
+        item = self._queue.get(timeout=0.001) if waiting else self._queue.get_nowait()
       except queue.Empty:
+        if waiting:
+          continue
         break
       if item is None:
         self._queue.put(None)  # stop after this batch

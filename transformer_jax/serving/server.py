@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from typing import Sequence
 
 from absl import logging
@@ -81,13 +82,17 @@ def run_serve(predictor: predict.Predictor, name: str, host: str = "127.0.0.1",
   decoder = batch_decoder.BatchDecoder(predictor, serve.max_batch_size)
   shapes = decoder.shapes()
 
+  start = time.perf_counter()
+
   def progress(done: int, total: int, shape: tuple[int, int]) -> None:
     print(f"Compiling {total} batch shapes: {done + 1}/{total} ({shape[1]} rows of "
-          f"{shape[0]} prompt tokens)", file=sys.stderr, flush=True)
+          f"{shape[0]} prompt tokens; {time.perf_counter() - start:.0f} s so far)",
+          file=sys.stderr, flush=True)
 
   decoder.warm_up(progress)
   print(f"Compiled {len(shapes)} batch shapes (prompts up to {decoder.max_source_length} "
-        f"tokens, up to {decoder.max_batch_size} rows).", file=sys.stderr, flush=True)
+        f"tokens, up to {decoder.max_batch_size} rows) in {time.perf_counter() - start:.0f} s.",
+        file=sys.stderr, flush=True)
   engine = engine_lib.Engine(decoder, serve.max_wait_ms, serve.max_queue)
   app = app_lib.create_app(app_lib.Service(predictor, engine, name), api_key)
   server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
