@@ -3,7 +3,7 @@ concurrencies, against a server this script starts (and stops) on 127.0.0.1.
 
   python benchmarks/serve_load.py --workdir runs/demo
   python benchmarks/serve_load.py --smollm2_135m /tmp/smollm2_135m --max_tokens 16 --fixed_length \
-      -- --config.max_source_length=16 --config.max_target_length=16
+      --max_words 4 -- --config.max_source_length=16 --config.max_target_length=16
 
 Each of `--concurrency` clients sends its next request as soon as the last is answered, for
 `--requests` requests per concurrency (after a warm-up round); prompts are sentences of
@@ -76,8 +76,9 @@ def start_server(args, port: int, log) -> subprocess.Popen:
   raise SystemExit(f"The server did not start in {args.start_timeout} s; see {log.name}")
 
 
-def request_body(i: int, max_tokens: int) -> dict:
-  body = {"prompt": SENTENCES[i % len(SENTENCES)], "max_tokens": max_tokens}
+def request_body(i: int, max_tokens: int, max_words: int = 0) -> dict:
+  words = SENTENCES[i % len(SENTENCES)].split()
+  body = {"prompt": " ".join(words[:max_words or None]), "max_tokens": max_tokens}
   if i % 2:
     body.update(temperature=0.7 + 0.01 * (i % 30), seed=i)
   else:
@@ -85,13 +86,13 @@ def request_body(i: int, max_tokens: int) -> dict:
   return body
 
 
-def measure(url: str, concurrency: int, count: int, max_tokens: int) -> dict:
+def measure(url: str, concurrency: int, count: int, max_tokens: int, max_words: int) -> dict:
   """Sends `count` requests from `concurrency` clients; the round's statistics."""
   latencies, tokens = [], []
 
   def one(i: int):
     start = time.perf_counter()
-    answer = post(url, request_body(i, max_tokens))
+    answer = post(url, request_body(i, max_tokens, max_words))
     latencies.append(time.perf_counter() - start)
     tokens.append(answer["usage"]["completion_tokens"])
 
@@ -135,6 +136,8 @@ def main():
   parser.add_argument("--requests", type=int, default=64, help="per concurrency")
   parser.add_argument("--max_tokens", type=int, default=28)
   parser.add_argument("--fixed_length", action="store_true")
+  parser.add_argument("--max_words", type=int, default=0,
+                      help="prompts cut to their first N words (0: whole sentences)")
   parser.add_argument("--start_timeout", type=float, default=1800)
   parser.add_argument("server_args", nargs="*")
   args = parser.parse_args()
@@ -151,11 +154,11 @@ def main():
     print(f"Server ready in {time.perf_counter() - start:.0f} s (log: {log.name})", flush=True)
     try:
       levels = [int(c) for c in args.concurrency.split(",")]
-      measure(url, max(levels), max(levels), args.max_tokens)  # warm-up round
+      measure(url, max(levels), max(levels), args.max_tokens, args.max_words)  # warm-up
       print("| concurrency | requests | requests/s | generated tokens/s | tokens/request | "
             "p50 latency | p99 latency |\n|---|---|---|---|---|---|---|")
       for level in levels:
-        r = measure(url, level, max(args.requests, level), args.max_tokens)
+        r = measure(url, level, max(args.requests, level), args.max_tokens, args.max_words)
         print(f"| {level} | {r['requests']} | {r['requests_per_s']:.2f} | "
               f"{r['tokens_per_s']:.0f} | {r['tokens_per_request']:.1f} | "
               f"{r['p50_s'] * 1000:.0f} ms | {r['p99_s'] * 1000:.0f} ms |", flush=True)
