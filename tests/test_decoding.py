@@ -342,6 +342,31 @@ def test_fixed_seed_reproduces_samples():
   assert not np.array_equal(a, c)
 
 
+def test_per_row_settings_limits_and_token_logprobs_equal_each_row_alone():
+  # A server's batch: each row its own temperature (0 = greedy), top_k, top_p, key and
+  # longest output; each equals that row decoded alone with scalar settings, cut at its limit.
+  vocab, length = 7, 4
+  tables = _random_tables(9, 4, vocab, length)
+  keys = jax.random.split(jax.random.PRNGKey(3), 4)
+  settings = [(0.0, 0, 1.0, 4), (1.0, 3, 1.0, 2), (0.7, 0, 0.6, 4), (1.3, 2, 0.9, 3)]
+  temperature, top_k, top_p, limits = (np.asarray(column) for column in zip(*settings))
+  cache, tokens_to_logits = _prefix_model(tables)
+  tokens, logprobs, token_logprobs = jax.jit(functools.partial(
+      decoding.sample, tokens_to_logits=tokens_to_logits, batch_size=4, bos_id=BOS,
+      eos_id=EOS, max_decode_len=length, return_logprobs=True, return_token_logprobs=True))(
+          cache, rng=keys, temperature=temperature, top_k=top_k, top_p=top_p,
+          row_limits=limits)
+  for row, (t, k, p, limit) in enumerate(settings):
+    alone, _ = _sample(tables[row:row + 1], keys[row:row + 1], t, p, max_len=length, top_k=k)
+    expected = np.asarray(alone[0]).copy()
+    expected[limit:] = 0
+    np.testing.assert_array_equal(tokens[row], expected)
+    end = next((i + 1 for i, x in enumerate(expected) if x == EOS), limit)
+    np.testing.assert_allclose(token_logprobs[row, end:], 0.0)
+    np.testing.assert_allclose(logprobs[row], _logprob(tables[row], expected[:end]), rtol=1e-5)
+    np.testing.assert_allclose(np.sum(token_logprobs[row]), logprobs[row], rtol=1e-5)
+
+
 def test_top_p_keeps_exactly_the_smallest_nucleus():
   probs = np.array([0.05, 0.4, 0.1, 0.3, 0.15])
   logits = jnp.log(jnp.asarray(probs))[None]

@@ -203,21 +203,25 @@ def _decode_loop(cache: Any, tokens_to_logits: TokensToLogits,
                  choose: Callable[[Array, Array], Array], *, rows: int, bos_id: int | Array,
                  eos_id: int, max_decode_len: int, forced: Array | None,
                  end_ids: Sequence[int] = (),
-                 logits_processor: LogitsProcessor | None) -> tuple[Array, Array]:
-  """Feeds each chosen token back until every row has produced EOS or max_decode_len tokens.
+                 logits_processor: LogitsProcessor | None,
+                 row_limits: Array | None = None,
+                 token_logprobs: bool = False) -> tuple[Array, ...]:
+  """Feeds each chosen token back until every row has produced EOS or max_decode_len tokens
+  (or its own `row_limits` [rows] tokens, where given).
 
   Returns:
     int32 [rows, max_decode_len] tokens, EOS included, zeros after it, and float32 [rows]: each
     row's log-probability (the processed logits' softmax at temperature 1, unfiltered) of its
-    chosen tokens, EOS included, forced ones not.
+    chosen tokens, EOS included, forced ones not; with `token_logprobs` also those
+    log-probabilities per token, float32 [rows, max_decode_len] (0 for forced and after the end).
   """
 
   def cond(state):
-    step, _, _, finished, _, _ = state
+    step, finished = state[0], state[3]
     return (step < max_decode_len) & ~jnp.all(finished)
 
   def body(state):
-    step, last, sequences, finished, logprobs, cache = state
+    step, last, sequences, finished, logprobs, cache = state[:6]
     logits, cache = tokens_to_logits(last, cache)  # [rows, vocab]
     logits = logits.astype(jnp.float32)
     if logits_processor is not None:
@@ -230,17 +234,25 @@ def _decode_loop(cache: Any, tokens_to_logits: TokensToLogits,
       token = jnp.where(is_forced, forced_token, token)
     token = jnp.where(finished, 0, token)
     token_logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=-1)
-    logprobs = logprobs + jnp.where(finished | is_forced, 0.0, token_logprob[:, 0])
+    chosen_logprob = jnp.where(finished | is_forced, 0.0, token_logprob[:, 0])
+    logprobs = logprobs + chosen_logprob
     token = jnp.where(is_forced, token, as_eos(token, eos_id, end_ids))
     sequences = jax.lax.dynamic_update_slice(sequences, token[:, None], (0, step))
     finished = finished | ((token == eos_id) & ~is_forced)
-    return step + 1, token[:, None], sequences, finished, logprobs, cache
+    if row_limits is not None:
+      finished = finished | (step + 1 >= row_limits)
+    new_state = (step + 1, token[:, None], sequences, finished, logprobs, cache)
+    if token_logprobs:  # the per-token record is carried only where asked for
+      new_state += (jax.lax.dynamic_update_slice(state[6], chosen_logprob[:, None], (0, step)),)
+    return new_state
 
   state = (jnp.array(0), first_inputs(bos_id, rows),
            jnp.zeros((rows, max_decode_len), jnp.int32), jnp.zeros((rows,), jnp.bool_),
            jnp.zeros((rows,), jnp.float32), cache)
-  _, _, sequences, _, logprobs, _ = jax.lax.while_loop(cond, body, state)
-  return sequences, logprobs
+  if token_logprobs:
+    state += (jnp.zeros((rows, max_decode_len), jnp.float32),)
+  final = jax.lax.while_loop(cond, body, state)
+  return (final[2], final[4]) + tuple(final[6:])
 
 
 def as_eos(tokens: Array, eos_id: int, end_ids: Sequence[int]) -> Array:
@@ -279,38 +291,63 @@ def _check_filter(top_k: int, top_p: float | Array) -> None:
   _check("top_p", top_p, lambda v: (v > 0) & (v <= 1), "in (0, 1]")
 
 
-def filter_logits(logits: Array, top_k: int = 0, top_p: float | Array = 1.0) -> Array:
+def filter_logits(logits: Array, top_k: int | Array = 0, top_p: float | Array = 1.0) -> Array:
   """Keeps the `top_k` most likely tokens (0 = all), then the smallest set whose probability
   reaches `top_p` in (0, 1] (the nucleus); every other logit becomes NEG_INF.
 
-  `top_k` fixes a shape, so it is a Python int; `top_p` may be traced (a Python 1.0 skips the
-  nucleus sort).
+  A Python int `top_k` fixes a shape (lax.top_k); `top_p` may be traced (a Python 1.0 skips
+  the nucleus sort). Either may also be an array [n], one value per row of `logits` (a
+  server's batch of requests with their own settings): each sort then runs only when some
+  row needs it.
   """
   _check_filter(top_k, top_p)
-  if top_k > 0:
-    kth_best = jax.lax.top_k(logits, top_k)[0][..., -1:]  # [n, 1]
-    logits = jnp.where(logits < kth_best, NEG_INF, logits)
+  if isinstance(top_k, (int, np.integer)):
+    if top_k > 0:
+      kth_best = jax.lax.top_k(logits, top_k)[0][..., -1:]  # [n, 1]
+      logits = jnp.where(logits < kth_best, NEG_INF, logits)
+  else:
+    logits = jax.lax.cond(jnp.any(top_k > 0), _top_k_per_row, lambda x, k: x, logits, top_k)
+  if jnp.ndim(top_p) == 1:
+    top_p = jnp.asarray(top_p, jnp.float32)[:, None]  # [n, 1]
+    return jax.lax.cond(jnp.all(top_p >= 1.0), lambda x, p: x, _nucleus, logits, top_p)
   if not (isinstance(top_p, (int, float)) and top_p >= 1.0):
-    sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]  # descending
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    # A token is in the nucleus if the tokens ranked above it hold less than top_p.
-    mass_above = jnp.cumsum(probs, axis=-1) - probs
-    in_nucleus = mass_above < top_p
-    threshold = jnp.min(jnp.where(in_nucleus, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits < threshold, NEG_INF, logits)
+    logits = _nucleus(logits, top_p)
   return logits
+
+
+def _top_k_per_row(logits: Array, top_k: Array) -> Array:
+  """Keeps each row's `top_k[row]` most likely tokens (0 = all)."""
+  descending = jnp.sort(logits, axis=-1)[..., ::-1]
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, logits.shape[-1]), logits.shape[-1])
+  kth_best = jnp.take_along_axis(descending, (k - 1)[:, None].astype(jnp.int32), axis=-1)
+  return jnp.where(logits < kth_best, NEG_INF, logits)
+
+
+def _nucleus(logits: Array, top_p: float | Array) -> Array:
+  """Keeps the smallest set of tokens whose probability reaches `top_p` (scalar or [n, 1])."""
+  sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]  # descending
+  probs = jax.nn.softmax(sorted_logits, axis=-1)
+  # A token is in the nucleus if the tokens ranked above it hold less than top_p.
+  mass_above = jnp.cumsum(probs, axis=-1) - probs
+  in_nucleus = mass_above < top_p
+  threshold = jnp.min(jnp.where(in_nucleus, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+  return jnp.where(logits < threshold, NEG_INF, logits)
 
 
 def sample(cache: Any, tokens_to_logits: TokensToLogits, rng: Array, *, batch_size: int,
            bos_id: int | Array, eos_id: int, max_decode_len: int,
-           temperature: float | Array = 1.0, top_k: int = 0, top_p: float | Array = 1.0,
-           return_logprobs: bool = False, end_ids: Sequence[int] = (),
-           num_decodes: int | None = None, decoder_prompt: Array | None = None,
-           logits_processor: LogitsProcessor | None = None):
+           temperature: float | Array = 1.0, top_k: int | Array = 0,
+           top_p: float | Array = 1.0, return_logprobs: bool = False,
+           end_ids: Sequence[int] = (), num_decodes: int | None = None,
+           decoder_prompt: Array | None = None,
+           logits_processor: LogitsProcessor | None = None,
+           row_limits: Array | None = None, return_token_logprobs: bool = False):
   """Samples from softmax(filter_logits(logits / temperature)), seeded by `rng`.
 
   `temperature` >= 0 (0 is greedy) and `top_p` in (0, 1] may be traced scalars: one
-  compilation serves every value. top_k=1 is greedy too.
+  compilation serves every value. top_k=1 is greedy too. `temperature`, `top_k` and `top_p`
+  may also be arrays [batch_size], one setting per input row (a server batching requests with
+  different settings into one program).
 
   Args:
     cache: decoder cache for `batch_size` rows (expanded to batch * num_decodes here).
@@ -330,10 +367,14 @@ def sample(cache: Any, tokens_to_logits: TokensToLogits, rng: Array, *, batch_si
       per row, [batch, num_decodes, max_decode_len], most likely first (callers expand their
       per-example inputs with `flat_batch_beam_expand(x, num_decodes)`).
     decoder_prompt, logits_processor: see the module docstring.
+    row_limits: None, or int [batch_size]: each input row's longest output (<=
+      max_decode_len); its output ends there.
+    return_token_logprobs: also return each chosen token's log-probability (as
+      `return_logprobs` scores them), float32 [..., max_decode_len].
 
   Returns:
-    int32 tokens (zeros after EOS), and with `return_logprobs` float32 log-probabilities of
-    the leading shape.
+    int32 tokens (zeros after EOS), with `return_logprobs` float32 log-probabilities of the
+    leading shape, with `return_token_logprobs` the per-token ones, in that order.
   """
   _check("temperature", temperature, lambda v: v >= 0, ">= 0")
   _check("num_decodes", 1 if num_decodes is None else num_decodes, lambda v: v >= 1, ">= 1")
@@ -342,27 +383,54 @@ def sample(cache: Any, tokens_to_logits: TokensToLogits, rng: Array, *, batch_si
   copies = num_decodes or 1
   if num_decodes is not None:
     cache = expand_cache(cache, num_decodes)
-  temperature = jnp.asarray(temperature, jnp.float32)
-  greedy = temperature == 0
-
   draw = _row_sampler(rng, batch_size, copies)
+  if jnp.ndim(temperature) == 1:
+    choose = _per_row_chooser(draw, *(
+        jnp.repeat(jnp.broadcast_to(jnp.asarray(x), (batch_size,)), copies)
+        for x in (temperature, top_k, top_p)))
+  else:
+    temperature = jnp.asarray(temperature, jnp.float32)
+    greedy = temperature == 0
 
-  def choose(logits, step):
-    scaled = filter_logits(logits / jnp.where(greedy, 1.0, temperature), top_k, top_p)
-    sampled = draw(scaled, step)
-    return jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    def choose(logits, step):
+      scaled = filter_logits(logits / jnp.where(greedy, 1.0, temperature), top_k, top_p)
+      sampled = draw(scaled, step)
+      return jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
 
-  tokens, logprobs = _decode_loop(
+  tokens, logprobs, *per_token = _decode_loop(
       cache, tokens_to_logits, choose, rows=batch_size * copies, bos_id=bos_id, eos_id=eos_id,
       end_ids=end_ids, max_decode_len=max_decode_len, logits_processor=logits_processor,
-      forced=_forced_tokens(decoder_prompt, copies, max_decode_len))
+      forced=_forced_tokens(decoder_prompt, copies, max_decode_len),
+      row_limits=None if row_limits is None else jnp.repeat(row_limits, copies),
+      token_logprobs=return_token_logprobs)
   if num_decodes is not None:
     tokens = tokens.reshape(batch_size, num_decodes, max_decode_len)
     logprobs = logprobs.reshape(batch_size, num_decodes)
+    per_token = [x.reshape(batch_size, num_decodes, max_decode_len) for x in per_token]
     order = jnp.argsort(-logprobs, axis=1)  # [batch, num_decodes], most likely first
     tokens = jnp.take_along_axis(tokens, order[:, :, None], axis=1)
     logprobs = jnp.take_along_axis(logprobs, order, axis=1)
-  return (tokens, logprobs) if return_logprobs else tokens
+    per_token = [jnp.take_along_axis(x, order[:, :, None], axis=1) for x in per_token]
+  return (tokens, *([logprobs] if return_logprobs else []), *per_token) if (
+      return_logprobs or return_token_logprobs) else tokens
+
+
+def _per_row_chooser(draw, temperature: Array, top_k: Array, top_p: Array):
+  """choose(logits, step) for rows with their own temperature, top_k and top_p ([rows]):
+  argmax where the temperature is 0, and no sampling at all when every row's is."""
+  temperature = temperature.astype(jnp.float32)
+  greedy = temperature == 0
+
+  def sampled(logits, step):
+    scale = jnp.where(greedy, 1.0, temperature)[:, None]
+    token = draw(filter_logits(logits / scale, top_k.astype(jnp.int32), top_p), step)
+    return jnp.where(greedy, jnp.argmax(logits, axis=-1), token).astype(jnp.int32)
+
+  def choose(logits, step):
+    return jax.lax.cond(jnp.all(greedy),
+                        lambda x, s: jnp.argmax(x, axis=-1).astype(jnp.int32), sampled,
+                        logits, step)
+  return choose
 
 
 def _row_sampler(rng: Array, batch_size: int, copies: int):

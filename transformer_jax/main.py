@@ -1,5 +1,5 @@
 """Entry point: train (default), evaluate a checkpoint, answer inputs, draw attention, export
-a fine-tuned model to Hugging Face's format, or serve a Hugging Face checkpoint as it is.
+a fine-tuned model to Hugging Face's format, or serve a model over HTTP (OpenAI's API).
 
   python -m transformer_jax.main --config configs/demo.py --workdir runs/demo
   python -m transformer_jax.main --workdir runs/demo --mode evaluate
@@ -7,6 +7,7 @@ a fine-tuned model to Hugging Face's format, or serve a Hugging Face checkpoint 
   python -m transformer_jax.main --workdir runs/demo --mode attention --text "..." --output a.png
   python -m transformer_jax.main --workdir runs/ft --mode export --output hf_folder
   python -m transformer_jax.main --pretrained google/flan-t5-small --mode predict --input -
+  python -m transformer_jax.main --workdir runs/demo --mode serve --port 8000
 
 Several hosts (see launch/): add --multihost on Cloud TPU VMs and under SLURM, or
 --coordinator_address=HOST0:PORT --num_processes=N --process_id=I everywhere else.
@@ -25,14 +26,21 @@ from absl import logging
 from ml_collections import config_flags
 
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, tokenizer and config.")
-flags.DEFINE_enum("mode", "train", ["train", "evaluate", "predict", "attention", "export"],
+flags.DEFINE_enum("mode", "train", ["train", "evaluate", "predict", "attention", "export",
+                                    "serve"],
                   "What to do: train, score a split, answer inputs, draw attention heatmaps, "
-                  "or write a model trained from a pretrained checkpoint as a Hugging Face "
-                  "folder (--output DIR).")
-flags.DEFINE_string("pretrained", None, "evaluate / predict: serve this Hugging Face checkpoint "
-                    "(a folder or hub name) as it is, without a workdir. To fine-tune one, "
-                    "train with --config.pretrained=PATH.")
-flags.DEFINE_string("adapter", None, "with --pretrained: a PEFT LoRA adapter folder made for "
+                  "write a model trained from a pretrained checkpoint as a Hugging Face "
+                  "folder (--output DIR), or serve it over HTTP (OpenAI's API).")
+flags.DEFINE_string("host", "127.0.0.1", "serve: the address to listen on (0.0.0.0: every "
+                    "interface; then set --api_key).")
+flags.DEFINE_integer("port", 8000, "serve: the port to listen on.", lower_bound=1,
+                     upper_bound=65535)
+flags.DEFINE_string("api_key", None, "serve: requests must send 'Authorization: Bearer KEY' "
+                    "(default: $TRANSFORMER_JAX_API_KEY; none: no key needed).")
+flags.DEFINE_string("pretrained", None, "evaluate / predict / serve: serve this Hugging Face "
+                    "checkpoint (a folder or hub name) as it is, without a workdir. To "
+                    "fine-tune one, train with --config.pretrained=PATH.")
+flags.DEFINE_string("adapter", None, "with --pretrained (predict, evaluate, serve): a PEFT LoRA adapter folder made for "
                     "that checkpoint, merged into its weights at load.")
 flags.DEFINE_enum("export_format", "hf", ["hf", "peft"], "export: 'hf' = the whole model as a "
                   "Hugging Face folder (LoRA adapters merged), 'peft' = a LoRA run's adapters as "
@@ -201,15 +209,15 @@ def _run() -> None:
   from transformer_jax import commands  # pylint: disable=g-import-not-at-top
   workdir = flags.FLAGS.workdir
   serving = flags.FLAGS.pretrained is not None
-  if serving and flags.FLAGS.mode not in ("evaluate", "predict"):
-    raise app.UsageError("--pretrained serves a checkpoint with --mode predict or evaluate; to "
-                         "fine-tune it, train with --config.pretrained=PATH.")
+  if serving and flags.FLAGS.mode not in ("evaluate", "predict", "serve"):
+    raise app.UsageError("--pretrained serves a checkpoint with --mode predict, evaluate or "
+                         "serve; to fine-tune it, train with --config.pretrained=PATH.")
   if flags.FLAGS.adapter and not serving:
     raise ValueError("--adapter adds a PEFT adapter to --pretrained BASE; a workdir keeps its "
                      "own adapters (train with --config.lora.rank, or --config.lora.init=DIR).")
   if workdir is None and not serving:
     raise app.UsageError("--workdir is required (or --pretrained PATH with --mode predict / "
-                         "evaluate).")
+                         "evaluate / serve).")
   if flags.FLAGS.mode == "train" and flags.FLAGS.config is None:
     raise app.UsageError("Training needs --config, e.g. --config configs/demo.py.")
   if flags.FLAGS.mode == "export" and flags.FLAGS.output == "-":
@@ -239,6 +247,8 @@ def _run() -> None:
                                   export_format=flags.FLAGS.export_format)
     kind = "PEFT adapter" if flags.FLAGS.export_format == "peft" else "Hugging Face"
     print(f"Wrote a {kind} folder {flags.FLAGS.output}: {', '.join(written)}", flush=True)
+  elif flags.FLAGS.mode == "serve":
+    _serve(workdir, serving)
   elif flags.FLAGS.mode == "attention":
     if not flags.FLAGS.text or flags.FLAGS.output == "-":
       raise app.UsageError('--mode attention needs --text "a source sentence" and --output '
@@ -254,6 +264,18 @@ def _run() -> None:
                          predictor=_pretrained_predictor() if serving else None)
 
 
+def _serve(workdir: str | None, serving: bool) -> None:
+  from transformer_jax.serving import server  # pylint: disable=g-import-not-at-top
+  server.check_address(flags.FLAGS.host, flags.FLAGS.port)  # before the minutes of loading
+  given = [k for k in _given_config_keys() if k.startswith("decoding.") or k == "prompt_format"]
+  predictor = server.load_model(
+      workdir, flags.FLAGS.pretrained, None if serving else _checkpoint(),
+      flags.FLAGS.average_last, flags.FLAGS.config if serving else _inference_config(),
+      given_keys=given if serving else None, adapter=flags.FLAGS.adapter)
+  server.run_serve(predictor, server.model_name(workdir, flags.FLAGS.pretrained),
+                   flags.FLAGS.host, flags.FLAGS.port, flags.FLAGS.api_key)
+
+
 def _flag_value(argv: list[str], name: str) -> str | None:
   for i, arg in enumerate(argv):
     if arg in (f"--{name}", f"-{name}") and i + 1 < len(argv):
@@ -266,7 +288,7 @@ def _flag_value(argv: list[str], name: str) -> str | None:
 def with_saved_config(argv: list[str]) -> list[str]:
   """Evaluate / predict without --config read the workdir's saved config (so that
   --config.decoding.* overrides apply to it)."""
-  if (_flag_value(argv, "mode") in ("evaluate", "predict", "attention", "export")
+  if (_flag_value(argv, "mode") in ("evaluate", "predict", "attention", "export", "serve")
       and _flag_value(argv, "config") is None):
     workdir = _flag_value(argv, "workdir")
     if _flag_value(argv, "pretrained"):

@@ -1,0 +1,171 @@
+"""Load test of `--mode serve`: requests/s, generated tokens/s and p50 / p99 latency at a few
+concurrencies, against a server this script starts (and stops) on 127.0.0.1.
+
+  python benchmarks/serve_load.py --workdir runs/demo
+  python benchmarks/serve_load.py --smollm2_135m /tmp/smollm2_135m --max_tokens 16 --fixed_length \
+      --max_words 4 -- --config.max_source_length=16 --config.max_target_length=16
+
+Each of `--concurrency` clients sends its next request as soon as the last is answered, for
+`--requests` requests per concurrency (after a warm-up round); prompts are sentences of
+different lengths, half of the requests greedy, half sampled with their own seed and
+temperature (the server batches them together). With `--fixed_length` every output is
+`--max_tokens` long (config.decoding.min_length: no EOS before it, as vLLM's benchmarks
+use ignore_eos); otherwise outputs end where the model ends them. Arguments after `--` go to
+the server (e.g. --config.serve.max_batch_size=16). Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Sentences of the demo's grammar (configs/demo.py's test split), of 5 to 13 words.
+SENTENCES = [
+    "He hopes that our tired woman feeds a key.", "A brave mouse brings a cup to the red horse.",
+    "Now the girl sees my red cup.", "I think that my mice find our lazy friend.",
+    "A girl watches young apples.", "Our big children like the woman.",
+    "They believe that my teacher has given my new apple to our friend.",
+    "A brave friend has visited my small neighbour.",
+]
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def post(url: str, body: dict) -> dict:
+  request = urllib.request.Request(url, json.dumps(body).encode(),
+                                   {"Content-Type": "application/json"})
+  try:
+    with urllib.request.urlopen(request, timeout=600) as response:
+      return json.loads(response.read())
+  except urllib.error.HTTPError as e:
+    raise SystemExit(f"{body} -> HTTP {e.code}: {e.read().decode()}") from e
+
+
+def start_server(args, port: int, log) -> subprocess.Popen:
+  model = ["--workdir", args.workdir] if args.workdir else ["--pretrained", args.pretrained]
+  extra = [f"--config.decoding.min_length={args.max_tokens}"] if args.fixed_length else []
+  command = [sys.executable, "-m", "transformer_jax.main", "--mode", "serve", "--port",
+             str(port), *model, *extra, *args.server_args]
+  process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=log)
+  deadline = time.time() + args.start_timeout
+  while time.time() < deadline:
+    if process.poll() is not None:
+      raise SystemExit(f"The server ended (exit {process.returncode}); see {log.name}")
+    try:
+      with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+        return process
+    except OSError:
+      time.sleep(1)
+  process.kill()
+  raise SystemExit(f"The server did not start in {args.start_timeout} s; see {log.name}")
+
+
+def request_body(i: int, max_tokens: int, max_words: int = 0) -> dict:
+  words = SENTENCES[i % len(SENTENCES)].split()
+  body = {"prompt": " ".join(words[:max_words or None]), "max_tokens": max_tokens}
+  if i % 2:
+    body.update(temperature=0.7 + 0.01 * (i % 30), seed=i)
+  else:
+    body.update(temperature=0)
+  return body
+
+
+def measure(url: str, concurrency: int, count: int, max_tokens: int, max_words: int) -> dict:
+  """Sends `count` requests from `concurrency` clients; the round's statistics."""
+  latencies, tokens = [], []
+
+  def one(i: int):
+    start = time.perf_counter()
+    answer = post(url, request_body(i, max_tokens, max_words))
+    latencies.append(time.perf_counter() - start)
+    tokens.append(answer["usage"]["completion_tokens"])
+
+  start = time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+    list(pool.map(one, range(count)))
+  elapsed = time.perf_counter() - start
+  return {"concurrency": concurrency, "requests": count, "requests_per_s": count / elapsed,
+          "tokens_per_s": sum(tokens) / elapsed, "tokens_per_request": np.mean(tokens),
+          "p50_s": float(np.percentile(latencies, 50)),
+          "p99_s": float(np.percentile(latencies, 99))}
+
+
+def make_smollm2_135m(folder: str) -> str:
+  """A Hugging Face folder of a SmolLM2-135M-size Llama (30 blocks, 576 wide, 9 query / 3
+  key-value heads, vocabulary 49152) with random weights and a small byte-level BPE tokenizer
+  trained here (tests/hf_fixtures.py; ids past it are padding rows): no download needed."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, ROOT)
+  from tests import hf_fixtures  # pylint: disable=g-import-not-at-top
+  files = hf_fixtures.llama_tokenizer_files(folder, hf_fixtures.model_sentences("en"))
+  config = transformers.LlamaConfig(
+      vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+      rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+      bos_token_id=files.tokenizer.bos_token_id, eos_token_id=files.tokenizer.eos_token_id)
+  torch.manual_seed(0)
+  transformers.LlamaForCausalLM(config).save_pretrained(folder)
+  return folder
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  model = parser.add_mutually_exclusive_group(required=True)
+  model.add_argument("--workdir")
+  model.add_argument("--pretrained")
+  model.add_argument("--smollm2_135m", metavar="DIR", help="build a random SmolLM2-135M-size "
+                     "checkpoint in DIR (if not there yet) and serve it")
+  parser.add_argument("--concurrency", default="1,8,32")
+  parser.add_argument("--requests", type=int, default=64, help="per concurrency")
+  parser.add_argument("--max_tokens", type=int, default=28)
+  parser.add_argument("--fixed_length", action="store_true")
+  parser.add_argument("--max_words", type=int, default=0,
+                      help="prompts cut to their first N words (0: whole sentences)")
+  parser.add_argument("--start_timeout", type=float, default=1800)
+  parser.add_argument("server_args", nargs="*")
+  args = parser.parse_args()
+  if args.smollm2_135m:
+    if not os.path.exists(os.path.join(args.smollm2_135m, "config.json")):
+      make_smollm2_135m(args.smollm2_135m)
+    args.pretrained = args.smollm2_135m
+  port = free_port()
+  url = f"http://127.0.0.1:{port}/v1/completions"
+  with tempfile.NamedTemporaryFile("w+", prefix="serve_load_", suffix=".log",
+                                   delete=False) as log:
+    start = time.perf_counter()
+    server = start_server(args, port, log)
+    print(f"Server ready in {time.perf_counter() - start:.0f} s (log: {log.name})", flush=True)
+    try:
+      levels = [int(c) for c in args.concurrency.split(",")]
+      measure(url, max(levels), max(levels), args.max_tokens, args.max_words)  # warm-up
+      print("| concurrency | requests | requests/s | generated tokens/s | tokens/request | "
+            "p50 latency | p99 latency |\n|---|---|---|---|---|---|---|")
+      for level in levels:
+        r = measure(url, level, max(args.requests, level), args.max_tokens, args.max_words)
+        print(f"| {level} | {r['requests']} | {r['requests_per_s']:.2f} | "
+              f"{r['tokens_per_s']:.0f} | {r['tokens_per_request']:.1f} | "
+              f"{r['p50_s'] * 1000:.0f} ms | {r['p99_s'] * 1000:.0f} ms |", flush=True)
+    finally:
+      server.terminate()
+      server.wait(120)
+
+
+if __name__ == "__main__":
+  main()

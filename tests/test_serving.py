@@ -1,0 +1,281 @@
+"""`--mode serve`: a real server process on 127.0.0.1, called with the real `openai` client and
+raw HTTP, against `--mode predict`'s outputs (the Predictor it runs) for a demo encoder-decoder
+workdir, a tiny pretrained decoder-only Llama with a chat template, and a tiny BERT classifier.
+"""
+
+import concurrent.futures
+import json
+import math
+import re
+import signal
+import socket
+import sys
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from tests import cli
+from tests import hf_fixtures
+from tests.conftest import ROOT, make_tiny_config
+from transformer_jax import default_config
+from transformer_jax import predict
+from transformer_jax import train
+
+TEXTS = ["a man is riding a bike", "two dogs play in the snow", "a woman", "people walk"]
+
+
+class Server:
+  """A `--mode serve` process on a free port, with an openai client for it."""
+
+  def __init__(self, *args, api_key=None, max_batch_size=2):
+    self.port = cli.free_port()
+    extra = dict(TRANSFORMER_JAX_API_KEY=api_key) if api_key else {}
+    self.process = cli.Run([sys.executable, "-m", "transformer_jax.main", "--mode", "serve",
+                            "--port", str(self.port),
+                            f"--config.serve.max_batch_size={max_batch_size}", *args],
+                           cwd=ROOT, env=cli.env(**extra))
+    # Not in cli.STARTED, which is emptied after each test: module fixtures stop the servers.
+    self.url = f"http://127.0.0.1:{self.port}"
+    try:
+      cli.wait_for(lambda: self.get("/health")[0] == 200, self.process)
+    except BaseException:
+      self.process.kill()
+      raise
+    self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or "none",
+                                max_retries=0)
+    self.name = self.client.models.list().data[0].id
+
+  def get(self, path):
+    return self.request("GET", path)
+
+  def post(self, path, body, headers=None):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return self.request("POST", path, data, headers)
+
+  def request(self, method, path, data=None, headers=None):
+    """(status, parsed JSON or text); (None, error) where nothing answered."""
+    request = urllib.request.Request(f"{self.url}{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json",
+                                              **(headers or {})})
+    try:
+      with urllib.request.urlopen(request, timeout=120) as response:
+        status, text = response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+      status, text = e.code, e.read().decode()
+    except OSError as e:
+      return None, str(e)
+    try:
+      return status, json.loads(text)
+    except json.JSONDecodeError:
+      return status, text
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, data_cache):
+  path = str(tmp_path_factory.mktemp("served"))
+  config = make_tiny_config(data_cache)
+  config.update(num_train_steps=10, eval_every_steps=10, num_generate_examples=0)
+  train.train_and_evaluate(config, path)
+  return path
+
+
+# A few output tokens at least, so that an untrained model's outputs are not all empty.
+MIN_LENGTH = "--config.decoding.min_length=3"
+
+
+@pytest.fixture(scope="module")
+def seq2seq(workdir):
+  # Few compiled shapes: prompts of 8, 16, 24 tokens x batches of 1, 2, 4 rows.
+  server = Server("--workdir", workdir, MIN_LENGTH, max_batch_size=4)
+  yield server
+  server.process.kill()
+  print(server.process.output()[1][-5000:])  # shown where a test failed
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+  folder = hf_fixtures.tiny_model("llama", str(tmp_path_factory.mktemp("llama")))
+  server = Server("--pretrained", folder, "--config.max_source_length=32",
+                  "--config.max_target_length=16", api_key="secret")
+  yield folder, server
+  server.process.kill()
+
+
+def _pretrained_config(**keys):
+  config = default_config.get_config()
+  config.max_source_length, config.max_target_length = 32, 16
+  config.update(keys)
+  return config
+
+
+def test_encoder_decoder_completions_and_chat_equal_predict_greedy(seq2seq, workdir):
+  predictor = predict.Predictor.from_workdir(workdir)
+  expected = predictor.predict_nbest(TEXTS, 1, method="greedy", max_decode_len=12, min_length=3)
+  (model,) = seq2seq.client.models.list().data
+  assert model.id == workdir.rstrip("/").split("/")[-1]
+  answer = seq2seq.client.completions.create(model=model.id, prompt=TEXTS, max_tokens=12,
+                                             temperature=0, logprobs=0)
+  assert [c.text for c in answer.choices] == [e[0][0] for e in expected]
+  assert all(c.text for c in answer.choices)
+  # Usage: the prompts' tokens (the source and its EOS) and every generated token.
+  prompts = predictor._prompts(TEXTS)  # pylint: disable=protected-access
+  assert answer.usage.prompt_tokens == sum(len(p) for p in prompts.values())
+  assert answer.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in answer.choices)
+  for choice, ((_, score),) in zip(answer.choices, expected):
+    # The chosen tokens' log-probabilities add up to the greedy search's score.
+    assert math.isclose(sum(choice.logprobs.token_logprobs), score, abs_tol=1e-3)
+    assert choice.finish_reason in ("stop", "length")
+  chat = seq2seq.client.chat.completions.create(
+      model=model.id, max_tokens=12, temperature=0,
+      messages=[{"role": "system", "content": "ignored"}, {"role": "user", "content": TEXTS[1]}])
+  assert chat.choices[0].message.content == expected[1][0][0]
+  assert chat.usage.prompt_tokens == len(prompts[1])
+
+
+def test_streams_add_up_to_the_answer_and_seeds_reproduce(seq2seq):
+  kwargs = dict(max_tokens=20, temperature=1.0, top_p=0.9, n=2, seed=7)
+  first = seq2seq.client.completions.create(model=seq2seq.name, prompt=TEXTS[0], **kwargs)
+  again = seq2seq.client.completions.create(model=seq2seq.name, prompt=TEXTS[0], **kwargs)
+  assert [c.text for c in first.choices] == [c.text for c in again.choices]
+  assert len(first.choices) == 2
+  pieces = {0: "", 1: ""}
+  finish = {}
+  for chunk in seq2seq.client.completions.create(model=seq2seq.name, prompt=TEXTS[0],
+                                                 stream=True, **kwargs):
+    for choice in chunk.choices:
+      pieces[choice.index] += choice.text
+      if choice.finish_reason:
+        finish[choice.index] = choice.finish_reason
+  assert [pieces[0], pieces[1]] == [c.text for c in first.choices]
+  assert finish == {c.index: c.finish_reason for c in first.choices}
+  chat_kwargs = dict(kwargs, n=1)
+  messages = [{"role": "user", "content": TEXTS[2]}]
+  whole = seq2seq.client.chat.completions.create(model=seq2seq.name, messages=messages,
+                                                 **chat_kwargs)
+  streamed = "".join(chunk.choices[0].delta.content or "" for chunk in
+                     seq2seq.client.chat.completions.create(model=seq2seq.name,
+                                                            messages=messages, stream=True,
+                                                            **chat_kwargs) if chunk.choices)
+  assert streamed == whole.choices[0].message.content
+
+
+def test_concurrent_requests_with_mixed_settings_equal_sequential_answers(seq2seq):
+  # 32 requests: greedy ones and seeded samples with their own temperature / top_k / top_p,
+  # batched together by the server, each equal to its answer when sent alone.
+  requests = [dict(prompt=TEXTS[i % 4], max_tokens=4 + i % 9, temperature=0)
+              if i % 2 else dict(prompt=TEXTS[i % 4], max_tokens=12, temperature=0.5 + i / 64,
+                                 top_k=[0, 5][i % 4 // 2], top_p=[1.0, 0.8][i % 3 == 0], seed=i)
+              for i in range(32)]
+  ask = lambda kwargs: seq2seq.client.completions.create(
+      model=seq2seq.name, **{k: v for k, v in kwargs.items() if k != "top_k"},
+      extra_body={"top_k": kwargs.get("top_k", 0)}).choices[0].text
+  alone = [ask(r) for r in requests]
+  with concurrent.futures.ThreadPoolExecutor(32) as pool:
+    together = list(pool.map(ask, requests))
+  assert together == alone
+  assert len(set(alone)) > 4
+
+
+@pytest.mark.parametrize("body, param, message", [
+    (b'{"prompt": "a", ', None, "JSON"),
+    ({"max_tokens": 5}, "prompt", "prompt"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens", "max_tokens=0"),
+    ({"prompt": "a", "max_tokens": 29}, "max_tokens", "at most 28"),
+    ({"prompt": " ".join(["word"] * 40)}, "prompt", "max_source_length=24"),
+    ({"prompt": "a", "model": "gpt-4"}, "model", "does not exist"),
+    ({"prompt": "a", "n": 9}, "n", "max_n"),
+    ({"prompt": "a", "temperature": -1}, "temperature", "temperature"),
+    ({"prompt": "a", "echo": True}, "echo", "not supported"),
+])
+def test_bad_requests_get_400_and_the_server_keeps_serving(seq2seq, body, param, message):
+  status, answer = seq2seq.post("/v1/completions", body)
+  assert status == 400, answer
+  assert answer["error"]["type"] == "invalid_request_error"
+  assert answer["error"]["param"] == param
+  assert message in answer["error"]["message"], answer
+  status, answer = seq2seq.post("/v1/completions", {"prompt": "a", "max_tokens": 3})
+  assert status == 200 and len(answer["choices"]) == 1, answer
+
+
+def test_wrong_routes_for_the_family_and_unknown_paths(seq2seq):
+  status, answer = seq2seq.post("/v1/classifications", {"input": ["a"]})
+  assert status == 400 and "/v1/completions" in answer["error"]["message"]
+  status, answer = seq2seq.post("/v1/chat/completions", {"messages": []})
+  assert status == 400 and answer["error"]["param"] == "messages"
+  status, answer = seq2seq.get("/v1/nothing")
+  assert status == 404 and "error" in answer
+
+
+def test_sigterm_answers_the_request_in_flight_and_exits_0(seq2seq):
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    pending = pool.submit(seq2seq.post, "/v1/completions",
+                          {"prompt": TEXTS, "max_tokens": 28, "n": 8, "temperature": 1})
+    cli.wait_for(lambda: "Received request" in seq2seq.process.output()[1], seq2seq.process)
+    code, _, stderr, _ = cli.stop(seq2seq.process, signal.SIGTERM)
+    status, answer = pending.result()
+  assert code == 0, stderr[-3000:]
+  assert status == 200 and len(answer["choices"]) == 32, answer
+  assert seq2seq.get("/health")[0] is None  # no longer listening
+
+
+def test_decoder_only_raw_and_chat_equal_predict_greedy_and_need_the_key(llama):
+  folder, server = llama
+  raw = predict.Predictor.from_pretrained(folder, _pretrained_config())
+  expected = raw.predict(TEXTS, method="greedy", max_decode_len=10)
+  name = server.name
+  answer = server.client.completions.create(model=name, prompt=TEXTS, max_tokens=10,
+                                            temperature=0)
+  assert [c.text for c in answer.choices] == expected
+  chat = predict.Predictor.from_pretrained(folder, _pretrained_config(prompt_format="chat"))
+  expected = chat.predict(TEXTS[:2], method="greedy", max_decode_len=10)
+  for text, reply in zip(TEXTS, expected):
+    answer = server.client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": text}], max_tokens=10, temperature=0)
+    assert answer.choices[0].message.content == reply
+  # The chat template's prompt is longer than the raw text's.
+  assert answer.usage.prompt_tokens > len(raw.tokenizer.encode(TEXTS[1]))
+  status, error = server.post("/v1/completions", {"prompt": "a"})
+  assert status == 401 and error["error"]["code"] == "invalid_api_key"
+  status, _ = server.post("/v1/completions", {"prompt": "a", "max_tokens": 2},
+                          {"Authorization": "Bearer secret"})
+  assert status == 200
+  assert server.get("/health")[0] == 200  # open without the key
+  # Stop strings end the text before them.
+  long = server.client.completions.create(model=name, prompt=TEXTS[0], max_tokens=10,
+                                          temperature=0).choices[0]
+  stop = long.text[3:6]
+  cut = server.client.completions.create(model=name, prompt=TEXTS[0], max_tokens=10,
+                                         temperature=0, stop=[stop]).choices[0]
+  assert cut.text == long.text[:long.text.index(stop)] and cut.finish_reason == "stop"
+
+
+def test_classifier_answers_classifications_with_predict_probabilities(tmp_path):
+  folder = hf_fixtures.tiny_model("bert", str(tmp_path / "bert"))
+  server = Server("--pretrained", folder, "--config.max_source_length=16")
+  cli.STARTED.append(server.process)  # stopped after this test
+  predictor = predict.Predictor.from_pretrained(folder)
+  expected = predictor.predict_nbest(TEXTS, predictor.config.model.num_classes)
+  status, answer = server.post("/v1/classifications", {"input": TEXTS})
+  assert status == 200, answer
+  for row, outputs in zip(answer["data"], expected):
+    assert row["label"] == outputs[0][0]
+    assert row["probabilities"] == pytest.approx(
+        {name: math.exp(score) for name, score in outputs}, abs=1e-6)
+  assert answer["usage"]["prompt_tokens"] > len(TEXTS)
+  status, answer = server.post("/v1/completions", {"prompt": "a"})
+  assert status == 400 and "/v1/classifications" in answer["error"]["message"]
+
+
+def test_bad_serve_flags_are_one_line_errors(workdir):
+  result = cli.run_main("--mode", "serve", "--workdir", workdir, "--port", "70000")
+  assert result.returncode == 2
+  assert re.search("port=70000", cli.user_error(result.stderr))
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = str(taken.getsockname()[1])
+    result = cli.run_main("--mode", "serve", "--workdir", workdir, "--port", port)
+  assert result.returncode == 1
+  assert "Cannot listen on 127.0.0.1" in cli.user_error(result.stderr)

@@ -1,0 +1,297 @@
+"""The FastAPI application: OpenAI's routes over a Predictor and its batching engine.
+
+  GET  /health                  200 once the model is loaded and compiled
+  GET  /v1/models               the one model served
+  POST /v1/completions          prompt(s) -> text (text families)
+  POST /v1/chat/completions     messages -> reply (text families)
+  POST /v1/classifications      texts -> label and probabilities (classifiers)
+
+Every error answers with OpenAI's error object: 400 for a request the model cannot answer as
+asked (validated before anything is queued), 401 without the API key, 429 when the queue is
+full. Prompts are encoded and outputs decoded on the event loop (tokenizers are not shared
+between threads); only decoding runs on the engine's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import math
+import secrets
+from typing import Any, AsyncIterator
+
+from absl import logging
+import fastapi
+from fastapi import exceptions as fastapi_exceptions
+from fastapi import responses
+from starlette import exceptions as starlette_exceptions
+
+from transformer_jax.serving import batch_decoder
+from transformer_jax.serving import engine as engine_lib
+from transformer_jax.serving import protocol
+from transformer_jax.serving import texts
+
+
+class Service:
+  """What the routes need: the model's texts, its limits and the engine."""
+
+  def __init__(self, predictor, engine: engine_lib.Engine, name: str):
+    self.predictor = predictor
+    self.engine = engine
+    self.name = name
+    self.created = protocol.now()
+    self.decoder = engine.decoder
+    self.classifier = self.decoder.classifier
+    self.prompts = texts.Prompts(predictor)
+    self.tokenizer = predictor.tokenizer
+    self.max_n = predictor.config.serve.max_n
+
+  def check_model(self, model: str | None) -> None:
+    if model not in (None, self.name):
+      raise texts.RequestError(f"The model {model!r} does not exist: this server serves "
+                               f"{self.name!r} (GET /v1/models).", "model")
+
+  def check_family(self, classification: bool) -> None:
+    if classification != self.classifier:
+      route = "/v1/classifications" if self.classifier else "/v1/completions"
+      raise texts.RequestError(f"{self.name} is a {self.predictor.family.name} model: use "
+                               f"POST {route}.")
+
+  def rows(self, request: protocol.Sampling, prompts: list, max_tokens: int | None
+           ) -> tuple[list[batch_decoder.Row], int]:
+    """Every (prompt, choice) row of a request, with its settings; and its max_tokens."""
+    self.check_model(request.model)
+    unsupported = request.unsupported()
+    if unsupported:
+      raise texts.RequestError(f"{unsupported} is not supported by this server.", unsupported)
+    if request.n > self.max_n:
+      raise texts.RequestError(f"n={request.n} is more than this server's limit of "
+                               f"{self.max_n} choices (config.serve.max_n).", "n")
+    limit = self.decoder.max_new_tokens
+    d = self.predictor.config.decoding
+    if max_tokens is None:
+      max_tokens = min(d.max_decode_len or limit, limit)
+    if max_tokens <= 0 or max_tokens > limit:
+      raise texts.RequestError(f"max_tokens={max_tokens} must be in [1, {limit}]: this model "
+                               f"generates at most {limit} tokens.", "max_tokens")
+    # Settings left out take the model's decoding config where it samples, else greedy.
+    sampled = d.method == "sample"
+    temperature = request.temperature if request.temperature is not None else (
+        d.temperature if sampled else 0.0)
+    top_p = request.top_p if request.top_p is not None else (d.top_p if sampled else 1.0)
+    top_k = request.top_k if request.top_k is not None else (d.top_k if sampled else 0)
+    seed = request.seed if request.seed is not None else secrets.randbits(31)
+    rows = []
+    for i, prompt in enumerate(prompts):
+      for choice in range(request.n):
+        rows.append(batch_decoder.Row(prompt, max_tokens, temperature, max(top_k, 0), top_p,
+                                      seed, i, choice))
+    return rows, max_tokens
+
+  async def run(self, rows: list[batch_decoder.Row]) -> list[batch_decoder.Output]:
+    try:
+      futures = self.engine.submit(rows)
+    finally:
+      _arrived(self.engine)
+    logging.info("Received request: %d rows queued.", len(rows))
+    return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+
+  async def generate(self, request: protocol.Sampling, prompts: list, max_tokens: int | None
+                     ) -> tuple[list[texts.Completion], int]:
+    """The completions of every (prompt, choice) in order, and the prompts' token count."""
+    rows, max_tokens = self.rows(request, prompts, max_tokens)
+    outputs = await self.run(rows)
+    return ([texts.completion(self.tokenizer, o.ids, o.logprobs, max_tokens, request.stops)
+             for o in outputs], sum(len(p) for p in prompts))
+
+
+def create_app(service: Service, api_key: str | None = None) -> fastapi.FastAPI:
+  app = fastapi.FastAPI(title="transformer_jax", docs_url=None, redoc_url=None)
+  _add_error_handlers(app)
+
+  @app.middleware("http")
+  async def authenticate(request: fastapi.Request, call_next):
+    if api_key and request.url.path.startswith("/v1/") and (
+        request.headers.get("authorization") != f"Bearer {api_key}"):
+      return _error(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'.",
+                    code="invalid_api_key")
+    if request.method != "POST":
+      return await call_next(request)
+    # Counted as arriving until its rows are queued (or it fails first): the engine waits a
+    # little for them before it starts a batch.
+    _ARRIVING.set(arriving := [True])
+    service.engine.arriving += 1
+    try:
+      return await call_next(request)
+    finally:
+      if arriving[0]:
+        arriving[0] = False
+        service.engine.arriving -= 1
+
+  @app.get("/health")
+  async def health():
+    return {"status": "ok"}
+
+  @app.get("/v1/models")
+  async def models():
+    return {"object": "list", "data": [protocol.model_card(
+        service.name, service.predictor.config.model.max_len, service.created)]}
+
+  @app.post("/v1/completions")
+  async def completions(request: protocol.CompletionRequest):
+    service.check_family(classification=False)
+    prompts = [service.prompts.completion(p) for p in _prompt_list(request.prompt)]
+    choices, prompt_tokens = await service.generate(request, prompts, request.max_tokens)
+    return _answer(service, request, choices, prompt_tokens, chat=False)
+
+  @app.post("/v1/chat/completions")
+  async def chat_completions(request: protocol.ChatRequest):
+    service.check_family(classification=False)
+    prompt = service.prompts.chat(request.chat())
+    max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None
+                  else request.max_tokens)
+    choices, prompt_tokens = await service.generate(request, [prompt], max_tokens)
+    return _answer(service, request, choices, prompt_tokens, chat=True)
+
+  @app.post("/v1/classifications")
+  async def classifications(request: protocol.ClassificationRequest):
+    service.check_model(request.model)
+    service.check_family(classification=True)
+    inputs = [request.input] if isinstance(request.input, str) else request.input
+    if not inputs:
+      raise texts.RequestError("input: give at least one text.", "input")
+    prompts = [service.prompts.completion(text, "input") for text in inputs]
+    outputs = await service.run([batch_decoder.Row(p) for p in prompts])
+    family, tokenizer = service.predictor.family, service.tokenizer
+    data = []
+    for i, output in enumerate(outputs):
+      names = [family.output_text([c], tokenizer) for c in range(len(output.logprobs))]
+      probabilities = {n: math.exp(float(s)) for n, s in zip(names, output.logprobs)}
+      data.append({"index": i, "label": names[int(output.logprobs.argmax())],
+                   "probabilities": probabilities})
+    prompt_tokens = sum(len(p) for p in prompts)
+    return {"id": protocol.new_id("clsf"), "object": "list", "created": protocol.now(),
+            "model": service.name, "data": data,
+            "usage": protocol.usage(prompt_tokens, 0)}
+
+  return app
+
+
+# The current request's "still arriving" flag, shared by the middleware and the route (the
+# event loop runs both, so the engine's count needs no lock).
+_ARRIVING: contextvars.ContextVar = contextvars.ContextVar("arriving")
+
+
+def _arrived(engine: engine_lib.Engine) -> None:
+  """The current request's rows are queued (or it failed): no longer arriving."""
+  arriving = _ARRIVING.get(None)
+  if arriving and arriving[0]:
+    arriving[0] = False
+    engine.arriving -= 1
+
+
+def _prompt_list(prompt) -> list:
+  """A completion request's prompts: a text, texts, token ids, or lists of token ids."""
+  if isinstance(prompt, str):
+    return [prompt]
+  if not prompt:
+    raise texts.RequestError("prompt: give a text or a list of texts.", "prompt")
+  if all(isinstance(p, int) for p in prompt):
+    return [prompt]
+  return list(prompt)
+
+
+def _answer(service: Service, request: protocol.Sampling, choices: list[texts.Completion],
+            prompt_tokens: int, chat: bool):
+  usage = protocol.usage(prompt_tokens, sum(len(c.token_ids) for c in choices))
+  kind = "chat.completion" if chat else "text_completion"
+  head = {"id": protocol.new_id("chatcmpl" if chat else "cmpl"), "created": protocol.now(),
+          "model": service.name}
+  if request.stream:
+    return responses.StreamingResponse(_stream(service, request, choices, usage, head, chat),
+                                       media_type="text/event-stream")
+  listed = []
+  for index, choice in enumerate(choices):
+    logprobs = _logprobs(service, request, choice, chat)
+    if chat:
+      listed.append({"index": index, "message": {"role": "assistant", "content": choice.text},
+                     "logprobs": logprobs, "finish_reason": choice.finish_reason})
+    else:
+      listed.append({"index": index, "text": choice.text, "logprobs": logprobs,
+                     "finish_reason": choice.finish_reason})
+  return {**head, "object": kind, "choices": listed, "usage": usage}
+
+
+def _logprobs(service: Service, request, choice: texts.Completion, chat: bool) -> dict | None:
+  if not request.logprobs and not (request.logprobs == 0 and not chat):
+    return None
+  tokens = texts.token_strings(service.tokenizer, choice.token_ids)
+  if chat:
+    return protocol.chat_logprobs(tokens, choice.logprobs)
+  return protocol.completion_logprobs(tokens, choice.logprobs, choice.pieces)
+
+
+async def _stream(service: Service, request, choices: list[texts.Completion], usage: dict,
+                  head: dict, chat: bool) -> AsyncIterator[str]:
+  """Server-sent events in OpenAI's chunk format: each choice's text piece by piece, then its
+  finish reason; the last chunk carries the usage; then [DONE]."""
+  kind = "chat.completion.chunk" if chat else "text_completion"
+  event = lambda body: f"data: {json.dumps({**head, 'object': kind, **body})}\n\n"
+
+  def choice_chunk(index: int, piece: str | None, finish: str | None, first: bool = False):
+    if chat:
+      delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else (
+          {} if piece is None else {"content": piece})
+      return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return {"index": index, "text": piece or "", "logprobs": None, "finish_reason": finish}
+
+  for index, choice in enumerate(choices):
+    if chat:
+      yield event({"choices": [choice_chunk(index, None, None, first=True)]})
+    for piece in choice.pieces:
+      if piece:
+        yield event({"choices": [choice_chunk(index, piece, None)]})
+    last = index == len(choices) - 1
+    yield event({"choices": [choice_chunk(index, None, choice.finish_reason)],
+                 **({"usage": usage} if last else {})})
+  if (request.stream_options or {}).get("include_usage"):
+    yield event({"choices": [], "usage": usage})
+  yield "data: [DONE]\n\n"
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error",
+           param: str | None = None, code: str | None = None) -> responses.JSONResponse:
+  return responses.JSONResponse(protocol.error(message, kind, param, code), status_code=status)
+
+
+def _add_error_handlers(app: fastapi.FastAPI) -> None:
+
+  @app.exception_handler(fastapi_exceptions.RequestValidationError)
+  async def invalid(request, error):  # pylint: disable=unused-argument
+    problems = []
+    for e in error.errors()[:3]:
+      if e.get("type") == "json_invalid":
+        return _error(400, f"The body is not valid JSON: {e.get('msg')} "
+                           f"(at character {e.get('loc', ('', '?'))[-1]}).")
+      where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+      problems.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+    first = error.errors()[0].get("loc", ()) if error.errors() else ()
+    param = first[1] if len(first) > 1 and isinstance(first[1], str) else None
+    return _error(400, "Invalid request: " + "; ".join(problems) + ".", param=param)
+
+  @app.exception_handler(texts.RequestError)
+  async def bad_request(request, error):  # pylint: disable=unused-argument
+    return _error(400, str(error), param=error.param)
+
+  @app.exception_handler(engine_lib.QueueFullError)
+  async def busy(request, error):  # pylint: disable=unused-argument
+    return _error(429, str(error), kind="server_busy", code="queue_full")
+
+  @app.exception_handler(starlette_exceptions.HTTPException)
+  async def http_error(request, error):  # pylint: disable=unused-argument
+    return _error(error.status_code, str(error.detail))
+
+  @app.exception_handler(Exception)
+  async def failed(request, error):  # pylint: disable=unused-argument
+    return _error(500, f"The server failed on this request: {error}", kind="server_error")

@@ -1,0 +1,168 @@
+"""One compiled decode for a server's batch: rows of different requests, each with its own
+sampling settings (temperature, top_k, top_p), seed and output limit.
+
+Shapes are bucketed so that a running server never compiles: prompts are padded to a power
+of two >= 8 (at most config.max_source_length) and batches to devices x a power of two (at
+most serve.max_batch_size), as generate.py buckets them; every output is decoded to one length
+(the server's longest), each row stopping at its own limit and the batch when all have.
+`warm_up` compiles every (prompt length, rows) bucket at start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from transformer_jax import decoding
+from transformer_jax import generate
+from transformer_jax import tokenizer as tokenizer_lib
+
+
+@dataclasses.dataclass
+class Row:
+  """One output to generate: a prompt's token ids and that output's settings."""
+  prompt: np.ndarray
+  max_tokens: int = 1
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  # The row samples with fold_in(fold_in(PRNGKey(seed), prompt_index), choice): fixed by the
+  # request's seed and the row's place in it, whatever batch the row is decoded in.
+  seed: int = 0
+  prompt_index: int = 0
+  choice: int = 0
+
+
+@dataclasses.dataclass
+class Output:
+  """A row's generated ids (EOS included where it ended so) and their log-probabilities; a
+  classifier's row: every class's log-probability."""
+  ids: np.ndarray
+  logprobs: np.ndarray
+
+
+def power_of_two_buckets(low: int, high: int) -> list[int]:
+  """low, 2 low, 4 low, ... and `high` itself: the sizes generate.py's buckets take."""
+  sizes = [low]
+  while sizes[-1] < high:
+    sizes.append(min(sizes[-1] * 2, high))
+  return sizes
+
+
+class BatchDecoder:
+  """The predictor's model, decoding batches of `Row`s in bucketed shapes."""
+
+  def __init__(self, predictor, max_batch_size: int):
+    self.predictor = predictor
+    self.family = predictor.family
+    self.layout = predictor.layout
+    config = predictor.config
+    devices = self.layout.eval_devices
+    # Whole rows per device: the batch is a multiple of the devices.
+    self.max_batch_size = -(-max_batch_size // devices) * devices
+    self.row_buckets = power_of_two_buckets(devices, self.max_batch_size)
+    self.max_source_length = config.max_source_length
+    self.length_buckets = sorted({generate.bucket_length(n, config.max_source_length)
+                                  for n in range(1, config.max_source_length + 1)})
+    self.classifier = not self.family.generates_text
+    if self.classifier:
+      self.max_new_tokens = 0
+      self._decode = generate.decode_fn(self.family, config.decoding, self.layout,
+                                        nbest=self.family.model_config.num_classes)
+    else:
+      self.max_new_tokens = max_new_tokens(self.family, config)
+      self._decode = self.layout.compile_decode(self._row_decoder(config.decoding))
+
+  def _row_decoder(self, decoding_config) -> Callable:
+    """(params, prompts [rows, len], per-row settings) -> (ids, token log-probs) [rows, L]."""
+    d, family, length = decoding_config, self.family, self.max_new_tokens
+    end_ids = tuple(d.end_ids)
+    # The checkpoint's logits processors (banned ids, min length, ...) apply to every request,
+    # as they do in --mode predict.
+    processor = decoding.make_logits_processor(
+        eos_id=tokenizer_lib.EOS_ID, end_ids=end_ids, min_length=d.min_length,
+        banned_ids=tuple(d.banned_ids), repetition_penalty=d.repetition_penalty,
+        no_repeat_ngram_size=d.no_repeat_ngram_size, forced_bos_id=d.forced_bos_id,
+        forced_eos=d.forced_eos)
+
+    def per_device(params, prompts, rows):
+      cache, tokens_to_logits, start_id = family.start_decoding(params, prompts,
+                                                                prompts.shape[0], length)
+      # Keys derived here, in the decoding thread's program: a JAX call on the server's event
+      # loop would wait for the batch being decoded.
+      keys = jax.vmap(lambda seed, prompt, choice: jax.random.fold_in(
+          jax.random.fold_in(jax.random.PRNGKey(seed), prompt), choice))(
+              rows["seed"], rows["prompt_index"], rows["choice"])
+      return decoding.sample(
+          cache, tokens_to_logits, keys, batch_size=prompts.shape[0], bos_id=start_id,
+          eos_id=tokenizer_lib.EOS_ID, end_ids=end_ids, max_decode_len=length,
+          temperature=rows["temperature"], top_k=rows["top_k"], top_p=rows["top_p"],
+          row_limits=rows["max_tokens"], return_token_logprobs=True,
+          logits_processor=processor)
+
+    return per_device
+
+  def shapes(self) -> list[tuple[int, int]]:
+    """Every (prompt length, rows) bucket a batch can take."""
+    return [(length, rows) for length in self.length_buckets for rows in self.row_buckets]
+
+  def warm_up(self, progress: Callable[[int, int, tuple[int, int]], None] | None = None) -> None:
+    """Compiles every bucket by decoding one-token outputs of dummy prompts."""
+    shapes = self.shapes()
+    for i, (length, rows) in enumerate(shapes):
+      if progress:
+        progress(i, len(shapes), (length, rows))
+      self.decode([Row(np.full((length,), 3, np.int32))] * rows)
+
+  def decode(self, rows: Sequence[Row]) -> list[Output]:
+    """Outputs of up to max_batch_size rows, in order."""
+    if not rows or len(rows) > self.max_batch_size:
+      raise ValueError(f"A batch holds 1 to {self.max_batch_size} rows, not {len(rows)}.")
+    length = generate.bucket_length(max(len(r.prompt) for r in rows), self.max_source_length)
+    count = generate.batch_bucket(len(rows), self.max_batch_size, self.layout.eval_devices)
+    prompts = np.zeros((count, length), np.int32)
+    for i, row in enumerate(rows):
+      prompts[i, :len(row.prompt)] = row.prompt
+    layout = self.layout
+    if self.classifier:
+      keys = generate.row_keys(0, 0, count)
+      ids, scores = layout.host_rows(self._decode(self.predictor.device_params,
+                                                  layout.eval_batch(prompts),
+                                                  layout.eval_batch(keys)))
+      # [rows, classes, 1] class ids most likely first -> every class's log-probability.
+      by_class = np.zeros(scores.shape, np.float32)
+      np.put_along_axis(by_class, ids[:, :, 0], scores, axis=1)
+      return [Output(np.zeros((0,), np.int32), by_class[i]) for i in range(len(rows))]
+    settings = _settings(rows, count)
+    ids, logprobs = layout.host_rows(self._decode(
+        self.predictor.device_params, layout.eval_batch(prompts), layout.eval_batch(settings)))
+    return [Output(ids[i, :row.max_tokens], logprobs[i, :row.max_tokens])
+            for i, row in enumerate(rows)]
+
+
+def _settings(rows: Sequence[Row], count: int) -> dict[str, np.ndarray]:
+  """Per-row settings, padded to `count` rows with greedy one-token rows."""
+  pad = count - len(rows)
+  column = lambda values, dtype, fill: np.asarray(list(values) + [fill] * pad, dtype)
+  return {
+      "temperature": column((r.temperature for r in rows), np.float32, 0.0),
+      "top_k": column((r.top_k for r in rows), np.int32, 0),
+      "top_p": column((r.top_p for r in rows), np.float32, 1.0),
+      "max_tokens": column((r.max_tokens for r in rows), np.int32, 1),
+      "seed": column((r.seed % 2**31 for r in rows), np.int32, 0),
+      "prompt_index": column((r.prompt_index for r in rows), np.int32, 0),
+      "choice": column((r.choice for r in rows), np.int32, 0)}
+
+
+def max_new_tokens(family, config) -> int:
+  """The server's longest output: config.max_target_length, within the positions the model
+  has after the longest prompt (a decoder-only model's prompt and output share them)."""
+  longest_prompt = config.max_source_length if family.continues_prompt else 0
+  room = config.model.max_len - longest_prompt
+  if room < 1:
+    raise ValueError(f"config.model.max_len={config.model.max_len} leaves no room to generate "
+                     f"after a {longest_prompt}-token prompt: lower max_source_length.")
+  return min(config.max_target_length, room)

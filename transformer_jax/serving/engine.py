@@ -1,0 +1,119 @@
+"""The request queue and the one thread that decodes it in batches.
+
+Requests put their rows (a prompt x n choices each) on a queue; the decode thread takes the
+first waiting row, then more until serve.max_batch_size rows or serve.max_wait_ms have
+passed, and decodes them as one batch (rows of different requests and settings together:
+batch_decoder.py). Requests the server has received but is still reading (`arriving`, counted
+by the app) are waited for a little longer (ARRIVING_WAIT_S): under a burst the event loop
+hands rows over one by one, and a batch started at once would hold only the first. Each row's result goes back through its own future, so a request is
+answered when all of its rows are, whichever batches they were in. A batch that fails is
+retried row by row, so that one bad row fails only its own request.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+import time
+from typing import Sequence
+
+from absl import logging
+
+from transformer_jax.serving import batch_decoder
+
+
+# How long a batch may wait, beyond serve.max_wait_ms, for requests already received.
+ARRIVING_WAIT_S = 0.05
+
+
+class QueueFullError(Exception):
+  """More rows wait than serve.max_queue allows (HTTP 429)."""
+
+
+class Engine:
+  """Batches rows submitted from any thread onto `decoder`, in one background thread."""
+
+  def __init__(self, decoder: batch_decoder.BatchDecoder, max_wait_ms: float, max_queue: int):
+    self.decoder = decoder
+    self.max_wait = max_wait_ms / 1000
+    self.max_queue = max_queue
+    self._queue: queue.Queue = queue.Queue()
+    self._waiting = 0  # rows queued, not yet taken into a batch
+    self.arriving = 0  # requests received, not yet queued (the event loop counts them)
+    self._lock = threading.Lock()
+    self._thread = threading.Thread(target=self._loop, name="decode", daemon=True)
+    self._thread.start()
+
+  def submit(self, rows: Sequence[batch_decoder.Row]) -> list[concurrent.futures.Future]:
+    """A future per row, resolved with its batch_decoder.Output; QueueFullError when the
+    queue cannot take them all (then none is queued)."""
+    with self._lock:
+      if self._waiting + len(rows) > self.max_queue:
+        raise QueueFullError(f"The server is busy: {self._waiting} rows wait to be decoded "
+                             f"(serve.max_queue={self.max_queue}); retry later.")
+      self._waiting += len(rows)
+      futures = []
+      for row in rows:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        futures.append(future)
+        self._queue.put((row, future))
+    return futures
+
+  def close(self) -> None:
+    """Decodes what is queued, then stops the thread."""
+    self._queue.put(None)
+    self._thread.join()
+
+  def _take(self) -> list | None:
+    """The next batch: the first waiting row, then up to max_batch_size within max_wait of
+    it; None once closed."""
+    first = self._queue.get()
+    if first is None:
+      return None
+    batch = [first]
+    deadline = time.monotonic() + self.max_wait
+    while len(batch) < self.decoder.max_batch_size:
+      now = time.monotonic()
+      waiting = now < deadline or (self.arriving > 0 and now < deadline + ARRIVING_WAIT_S)
+      try:
+        # Short polls while waiting, so that the `arriving` count is read afresh.
+        item = self._queue.get(timeout=0.001) if waiting else self._queue.get_nowait()
+      except queue.Empty:
+        if waiting:
+          continue
+        break
+      if item is None:
+        self._queue.put(None)  # stop after this batch
+        break
+      batch.append(item)
+    with self._lock:
+      self._waiting -= len(batch)
+    return batch
+
+  def _loop(self) -> None:
+    while True:
+      batch = self._take()
+      if batch is None:
+        return
+      live = [(row, future) for row, future in batch if future.set_running_or_notify_cancel()]
+      if live:
+        self._decode(live)
+
+  def _decode(self, batch: list) -> None:
+    start = time.monotonic()
+    try:
+      outputs = self.decoder.decode([row for row, _ in batch])
+    except Exception as e:  # pylint: disable=broad-except
+      if len(batch) == 1:
+        logging.exception("Decoding a row failed.")
+        batch[0][1].set_exception(e)
+        return
+      logging.warning("A batch of %d rows failed (%s); decoding them one by one.", len(batch),
+                      e)
+      for item in batch:
+        self._decode([item])
+      return
+    logging.debug("Decoded %d rows in %.3f s.", len(batch), time.monotonic() - start)
+    for (_, future), output in zip(batch, outputs):
+      future.set_result(output)

@@ -1,0 +1,129 @@
+"""OpenAI's request bodies (validated by pydantic) and response objects, as the `openai`
+client and evaluation harnesses send and read them.
+
+Fields of OpenAI's API that this server does not implement are refused when a request sets
+them to anything but their neutral value, rather than silently ignored; unknown fields pass
+(clients send extras such as `user`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Union
+
+import pydantic
+from pydantic import Field
+
+# Fields accepted only at these values (what they would change is not implemented).
+UNSUPPORTED = {"echo": (False, None), "best_of": (None, 1), "suffix": (None, ""),
+               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+               "logit_bias": (None, {}), "tools": (None, []), "response_format": (None,),
+               "top_logprobs": (None, 0)}
+
+
+class Sampling(pydantic.BaseModel):
+  """What completions and chat completions share."""
+  model_config = pydantic.ConfigDict(extra="allow")
+
+  model: str | None = None  # the served model's id; may be left out
+  temperature: float | None = Field(None, ge=0, le=2)  # 0 = greedy
+  top_p: float | None = Field(None, gt=0, le=1)
+  top_k: int | None = Field(None, ge=-1)  # an extension (vLLM's): 0 or -1 = off
+  n: int = Field(1, ge=1)
+  stop: str | list[str] | None = None
+  seed: int | None = None
+  stream: bool = False
+  stream_options: dict | None = None
+
+  def unsupported(self) -> str | None:
+    """The first field set to a value this server cannot honour."""
+    for name, neutral in UNSUPPORTED.items():
+      value = (self.model_extra or {}).get(name, getattr(self, name, None))
+      if value not in neutral:
+        return name
+    return None
+
+  @property
+  def stops(self) -> list[str]:
+    return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(Sampling):
+  prompt: Union[str, list[str], list[int], list[list[int]]]
+  max_tokens: int | None = None
+  logprobs: int | None = Field(None, ge=0)  # the chosen tokens' log-probabilities when set
+
+
+class ContentPart(pydantic.BaseModel):
+  type: Literal["text"]
+  text: str
+
+
+class Message(pydantic.BaseModel):
+  model_config = pydantic.ConfigDict(extra="allow")
+  role: Literal["system", "developer", "user", "assistant"]
+  content: str | list[ContentPart]
+
+  def text(self) -> str:
+    if isinstance(self.content, str):
+      return self.content
+    return "".join(part.text for part in self.content)
+
+
+class ChatRequest(Sampling):
+  messages: list[Message] = Field(min_length=1)
+  max_tokens: int | None = None
+  max_completion_tokens: int | None = None
+  logprobs: bool = False
+
+  def chat(self) -> list[dict]:
+    # 'developer' is the newer name of 'system'; chat templates know the older one.
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages]
+
+
+class ClassificationRequest(pydantic.BaseModel):
+  model_config = pydantic.ConfigDict(extra="allow")
+  model: str | None = None
+  input: str | list[str]
+
+
+def error(message: str, kind: str = "invalid_request_error", param: str | None = None,
+          code: str | None = None) -> dict:
+  """OpenAI's error object."""
+  return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def new_id(prefix: str) -> str:
+  return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+  return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+  return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+          "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(tokens: list[str], logprobs: list[float], pieces: list[str]) -> dict:
+  """The legacy completions' logprobs object (the chosen tokens only: no alternatives)."""
+  offsets, at = [], 0
+  for piece in pieces:
+    offsets.append(at)
+    at += len(piece)
+  return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None,
+          "text_offset": offsets}
+
+
+def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict:
+  """Chat's logprobs object: each chosen token with its log-probability."""
+  return {"content": [{"token": t, "logprob": p, "bytes": list(t.encode()), "top_logprobs": []}
+                      for t, p in zip(tokens, logprobs)]}
+
+
+def model_card(name: str, max_model_len: int, created: int) -> dict[str, Any]:
+  return {"id": name, "object": "model", "created": created, "owned_by": "transformer_jax",
+          "max_model_len": max_model_len}

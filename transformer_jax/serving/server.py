@@ -1,0 +1,112 @@
+"""`--mode serve`: loads the model, compiles every batch shape, serves HTTP until SIGTERM.
+
+On SIGTERM (or Ctrl-C) uvicorn stops accepting connections and waits for the requests in
+flight, which the engine finishes decoding; the process then exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Sequence
+
+from absl import logging
+import ml_collections
+
+from transformer_jax import default_config
+from transformer_jax import predict
+from transformer_jax.serving import app as app_lib
+from transformer_jax.serving import batch_decoder
+from transformer_jax.serving import engine as engine_lib
+
+API_KEY_VARIABLE = "TRANSFORMER_JAX_API_KEY"  # the API key, where --api_key is not given
+
+
+def load_model(workdir: str | None = None, pretrained: str | None = None,
+               step: int | str | None = None, average_last: int = 1,
+               config: ml_collections.ConfigDict | None = None,
+               given_keys: Sequence[str] | None = None,
+               adapter: str | None = None) -> predict.Predictor:
+  """The model to serve: a workdir's checkpoint (as --mode predict restores it; LoRA adapters
+  merged) or a pretrained checkpoint, with a PEFT `adapter` merged where given
+  (`Predictor.from_pretrained`'s arguments)."""
+  if pretrained is not None:
+    return predict.Predictor.from_pretrained(pretrained, config, given_keys=given_keys,
+                                             adapter=adapter)
+  return predict.Predictor.from_workdir(workdir, step, average_last, config)
+
+
+def serve_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """config.serve, with default_config's values where an older saved config has none."""
+  defaults = default_config.get_config().serve.to_dict()
+  return ml_collections.ConfigDict({**defaults, **config.get("serve", {})})
+
+
+def model_name(workdir: str | None, pretrained: str | None) -> str:
+  """The id /v1/models shows and requests name: the checkpoint's folder or hub name."""
+  if pretrained is not None:
+    return pretrained if not os.path.isdir(pretrained) else os.path.basename(
+        os.path.normpath(pretrained))
+  return os.path.basename(os.path.normpath(workdir))
+
+
+def check_address(host: str, port: int) -> None:
+  """Raises ValueError where `host`:`port` cannot be listened on (in use, not this
+  machine's), before the model is loaded and compiled."""
+  try:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+      probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      probe.bind((host, port))
+  except OSError as e:
+    raise ValueError(f"Cannot listen on {host}:{port}: {e.strerror or e}; pick another --port "
+                     "or --host.") from e
+
+
+def check_host(host: str, api_key: str | None) -> None:
+  """Warns when the server is reachable beyond this machine without an API key."""
+  if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+    logging.warning("Serving on %s without an API key: anyone who reaches this port can use "
+                    "the model (pass --api_key or set %s).", host, API_KEY_VARIABLE)
+
+
+def run_serve(predictor: predict.Predictor, name: str, host: str = "127.0.0.1",
+              port: int = 8000, api_key: str | None = None) -> None:
+  """Serves `predictor` at http://host:port until SIGTERM or Ctrl-C."""
+  import uvicorn  # pylint: disable=g-import-not-at-top
+  api_key = api_key or os.environ.get(API_KEY_VARIABLE) or None
+  check_host(host, api_key)
+  serve = serve_config(predictor.config)
+  with predictor.config.unlocked():
+    predictor.config.serve = serve
+  decoder = batch_decoder.BatchDecoder(predictor, serve.max_batch_size)
+  shapes = decoder.shapes()
+
+  start = time.perf_counter()
+
+  def progress(done: int, total: int, shape: tuple[int, int]) -> None:
+    print(f"Compiling {total} batch shapes: {done + 1}/{total} ({shape[1]} rows of "
+          f"{shape[0]} prompt tokens; {time.perf_counter() - start:.0f} s so far)",
+          file=sys.stderr, flush=True)
+
+  decoder.warm_up(progress)
+  print(f"Compiled {len(shapes)} batch shapes (prompts up to {decoder.max_source_length} "
+        f"tokens, up to {decoder.max_batch_size} rows) in {time.perf_counter() - start:.0f} s.",
+        file=sys.stderr, flush=True)
+  engine = engine_lib.Engine(decoder, serve.max_wait_ms, serve.max_queue)
+  app = app_lib.create_app(app_lib.Service(predictor, engine, name), api_key)
+  server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                         timeout_graceful_shutdown=300))
+  # uvicorn re-raises the signal that stopped it once it has drained; a handler that does
+  # nothing lets the drained server exit 0 instead of dying by SIGTERM.
+  previous = signal.signal(signal.SIGTERM, lambda *_: None)
+  try:
+    print(f"Serving {name} on http://{host}:{port}/v1 (Ctrl-C or SIGTERM stops).",
+          file=sys.stderr, flush=True)
+    server.run()
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+    engine.close()

@@ -1,0 +1,134 @@
+"""Requests' texts to token ids and generated ids back to texts, the model's way.
+
+A completion's prompt goes through the model's prompt format (data/prompt_format.py) as a
+line of `--mode predict` does: an encoder-decoder's source, a decoder-only model's raw text
+(or chat, or task) prompt. A chat request renders the checkpoint's chat template where it has
+one; otherwise its last user message is the source. Outputs end at EOS, at the request's
+max_tokens, or before the first of its stop strings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from transformer_jax import tokenizer as tokenizer_lib
+from transformer_jax.data import prompt_format
+
+
+class RequestError(ValueError):
+  """A request the model cannot answer as asked (HTTP 400), with the parameter at fault."""
+
+  def __init__(self, message: str, param: str | None = None):
+    super().__init__(message)
+    self.param = param
+
+
+class Prompts:
+  """Turns requests' texts into the prompts the model's family decodes from."""
+
+  def __init__(self, predictor):
+    self.predictor = predictor
+    self.config = predictor.config
+    self.tokenizer = predictor.tokenizer
+    self.family = predictor.family
+    self.encoder = prompt_format.TextEncoder(self.config, self.tokenizer)
+    self.chat_template = bool(getattr(self.tokenizer, "has_chat_template", False)) and (
+        self.family.continues_prompt)
+
+  def completion(self, text: str | Sequence[int], param: str = "prompt") -> np.ndarray:
+    """A prompt's ids from its text (or its token ids, taken as they are)."""
+    if isinstance(text, str):
+      ids = self.encoder.encode([text])[0][0]
+    else:
+      ids = [int(i) for i in text]
+      to_internal = getattr(self.tokenizer, "to_internal", None)  # a checkpoint's own ids
+      try:
+        ids = list(to_internal(ids)) if to_internal and min(ids, default=0) >= 0 else ids
+      except (IndexError, KeyError, ValueError):
+        ids = [-1]
+      vocab = self.config.model.vocab_size
+      if any(not 0 < i < vocab for i in ids):
+        raise RequestError(f"{param}: token ids must be ids of the model's vocabulary "
+                           f"({vocab} ids).", param)
+    return self._fitted(ids, param)
+
+  def chat(self, messages: list[dict]) -> np.ndarray:
+    """A chat's prompt: the rendered chat template with its generation prompt, or (a model
+    without one) the last user message in the model's own prompt format."""
+    if self.chat_template:
+      rendered = self.tokenizer.render_chat(messages, add_generation_prompt=True)
+      ids = self.tokenizer.encode_batch([rendered], add_special_tokens=False)[0]
+      return self._fitted(ids, "messages")
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    if not users:
+      raise RequestError("messages: this model reads the last user message, and there is none.",
+                         "messages")
+    return self.completion(users[-1], "messages")
+
+  def _fitted(self, ids: list[int], param: str) -> np.ndarray:
+    """The family's prompt of `ids`; RequestError where it would be cut short."""
+    prompt = self.family.prompt(ids)
+    limit = self.config.max_source_length
+    if len(prompt) < len(ids) or not np.array_equal(prompt[:len(ids)], ids):
+      # with_eos cuts to limit - 1 ids and its EOS; raw and chat prompts to limit.
+      takes = limit - 1 if self.config.get("prompt_format", "task") == "task" else limit
+      raise RequestError(f"{param}: the prompt has {len(ids)} tokens and this model takes at "
+                         f"most {takes} (config.max_source_length={limit}); shorten it.",
+                         param)
+    return prompt
+
+
+@dataclasses.dataclass
+class Completion:
+  """One generated output, as the response shows it."""
+  text: str
+  token_ids: list[int]  # the tokens generated, EOS included, through the stop string if any
+  logprobs: list[float]  # of each of token_ids
+  finish_reason: str  # 'stop' (EOS or a stop string) or 'length' (max_tokens)
+  pieces: list[str]  # the text each token adds (empty where a character is still incomplete)
+
+
+def completion(tokenizer, ids: np.ndarray, logprobs: np.ndarray, max_tokens: int,
+               stop: Sequence[str] = ()) -> Completion:
+  """The output of generated `ids` (zeros after EOS) with their log-probabilities."""
+  ids = [int(i) for i in ids[:max_tokens]]
+  ended = tokenizer_lib.EOS_ID in ids
+  if ended:
+    ids = ids[:ids.index(tokenizer_lib.EOS_ID) + 1]
+  prefixes = [tokenizer.decode(ids[:i]) for i in range(1, len(ids) + 1)]
+  text = prefixes[-1] if prefixes else ""
+  finish = "stop" if ended else "length"
+  stops = [(text.find(s), s) for s in stop if s and s in text]
+  if stops:
+    at, _ = min(stops)
+    text = text[:at]
+    finish = "stop"
+    # The tokens through the one whose text reaches the stop string.
+    count = next(i + 1 for i, p in enumerate(prefixes)
+                 if any(s in p for s in stop if s))
+    ids, prefixes = ids[:count], prefixes[:count]
+  return Completion(text, ids, [float(x) for x in logprobs[:len(ids)]], finish,
+                    stream_pieces(prefixes, text))
+
+
+def stream_pieces(prefixes: list[str], text: str) -> list[str]:
+  """The text each token adds, so that the pieces add up to `text` exactly: a prefix's new
+  characters where it extends the text so far within `text` (a byte-level token that ends
+  mid-character adds nothing until the character is whole); the last piece takes the rest."""
+  pieces, shown = [], ""
+  for prefix in prefixes[:-1]:
+    grown = text.startswith(prefix) and len(prefix) > len(shown) and not prefix.endswith(
+        "\ufffd")
+    pieces.append(prefix[len(shown):] if grown else "")
+    shown = prefix if grown else shown
+  if prefixes:
+    pieces.append(text[len(shown):])
+  return pieces
+
+
+def token_strings(tokenizer, ids: Sequence[int]) -> list[str]:
+  """Each token as a string (its vocabulary piece), for log-probability listings."""
+  return [tokenizer.id_to_piece(i) for i in ids]
