@@ -16,4 +16,5 @@
   generation.py  generation_config.json -> config.decoding settings
   run_config.py  a run's config around a checkpoint; the checkpoint files a workdir keeps
   export.py      a fine-tuned workdir -> a Hugging Face folder
+  peft.py        LoRA adapters in and out in PEFT's format (adapter_config.json + safetensors)
 """
