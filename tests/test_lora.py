@@ -267,23 +267,24 @@ def test_training_continues_from_a_peft_adapter(folders, tmp_path, data_cache):
 def test_lora_on_an_eight_device_mesh_equals_one_device(folders, tmp_path, data_cache):
   """Llama (2 key/value heads) with adapters on every projection and a bfloat16 base, over a
   data 2 x fsdp 2 x tensor 2 mesh, against pmap on one device: the same losses and adapters."""
-  def run(name, devices, *overrides):
-    workdir = str(tmp_path / name)
-    result = cli.run(workdir, "--config.architecture=decoder_only",
-                     f"--config.pretrained={folders('llama')}", "--config.lora.rank=4",
-                     "--config.lora.targets=all", "--config.lora.base_dtype=bfloat16",
-                     "--config.num_train_steps=6",
-                     "--config.eval_every_steps=6", "--config.checkpoint_every_steps=6",
-                     "--config.learning_rate=3e-3", "--config.num_generate_examples=0",
-                     "--config.model.dropout_rate=0",  # the same masks on every layout
-                     *overrides, cache=data_cache, environ=cli.env(devices))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return workdir
-
-  one = run("one", 1, "--config.per_device_batch_size=16")
-  mesh = run("mesh", 8, "--config.per_device_batch_size=2", "--config.parallel.mode=jit",
-             "--config.parallel.data=2", "--config.parallel.fsdp=2",
-             "--config.parallel.tensor=2")
+  settings = dict(architecture="decoder_only", pretrained=folders("llama"),
+                  num_train_steps=6, eval_every_steps=6, checkpoint_every_steps=6,
+                  learning_rate=3e-3, num_generate_examples=0)
+  lora = dict(rank=4, targets="all", base_dtype="bfloat16")
+  config = make_tiny_config(data_cache)
+  config.update(per_device_batch_size=16, **settings)
+  config.lora.update(lora)
+  config.model.dropout_rate = 0.0  # the same masks on every layout
+  one = str(tmp_path / "one")
+  train.train_and_evaluate(config, one)  # here: one device
+  mesh = str(tmp_path / "mesh")
+  overrides = [f"--config.{k}={v}" for k, v in settings.items()]
+  overrides += [f"--config.lora.{k}={v}" for k, v in lora.items()]
+  result = cli.run(mesh, *overrides, "--config.model.dropout_rate=0",
+                   "--config.per_device_batch_size=2", "--config.parallel.mode=jit",
+                   "--config.parallel.data=2", "--config.parallel.fsdp=2",
+                   "--config.parallel.tensor=2", cache=data_cache, environ=cli.env(8))
+  assert result.returncode == 0, result.stderr[-3000:]
   lora_family = families.get(workdir_lib.load_config(one))
   ours, base, _ = predict.restore_lora(one, lora_family)
   assert {x.dtype for x in jax.tree.leaves(base)} == {jnp.dtype("bfloat16")}  # half the memory
