@@ -139,6 +139,12 @@ def get_config() -> ml_collections.ConfigDict:
   # A classifier checkpoint's head is kept when it has config.model.num_classes classes; True
   # trains a new one (from the seed) for this config's classes instead.
   config.reset_head = False
+  # A multilingual checkpoint's languages, in its own codes: NLLB-200 'vie_Latn', M2M100 'vi',
+  # mBART-50 'vi_VN'. The source is tagged as the checkpoint expects and decoding forces the
+  # target code as the first output token (pretrained/languages.py). '' = none (a checkpoint
+  # with language codes needs target_lang; source_lang defaults to its tokenizer's).
+  config.source_lang = ""
+  config.target_lang = ""
   # SentencePiece: trained on a sample of the training split and saved in the workdir, or an
   # existing .model file given by `path` (copied into the workdir).
   config.tokenizer = ml_collections.ConfigDict(dict(

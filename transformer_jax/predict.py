@@ -92,7 +92,7 @@ class Predictor:
     if default_lengths:
       run_config.serving_lengths(config)  # after `apply`: the checkpoint's family decides
     config_validation.validate(config)
-    tokenizer = run_config.tokenizer(checkpoint.folder, checkpoint.vocab)
+    tokenizer = run_config.tokenizer(checkpoint.folder, checkpoint.vocab, config)
     boxed = jax.eval_shape(functools.partial(families.get(config).init_params, boxed=True),
                            jax.random.PRNGKey(0))
     params = checkpoint_lib.read_params(checkpoint, parallel.unbox(boxed))

@@ -19,6 +19,7 @@ from transformer_jax import families
 from transformer_jax import workdir as workdir_lib
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
 from transformer_jax.pretrained import generation
+from transformer_jax.pretrained import languages as languages_lib
 from transformer_jax.pretrained import tokenizer as tokenizer_lib
 from transformer_jax.pretrained import vocab as vocab_lib
 
@@ -103,6 +104,22 @@ def apply(config: ml_collections.ConfigDict, checkpoint: checkpoint_lib.Checkpoi
         config.decoding.banned_ids = tuple(sorted(set(config.decoding.banned_ids) | set(value)))
       elif key in _TOKEN_DECODING_KEYS and config.decoding[key] == defaults[key]:
         config.decoding[key] = value
+    if checkpoint.family == "encoder_decoder":
+      _apply_languages(config, checkpoint)
+
+
+def _apply_languages(config: ml_collections.ConfigDict,
+                     checkpoint: checkpoint_lib.Checkpoint) -> None:
+  """config.source_lang / target_lang checked against the checkpoint's language codes, and
+  the target code forced as the first output token (transformers' forced_bos_token_id)."""
+  loaded = tokenizer_lib.PretrainedTokenizer(checkpoint.folder, checkpoint.vocab)
+  source, target = config.get("source_lang", ""), config.get("target_lang", "")
+  try:
+    loaded.set_languages(source, target)
+  except ValueError as e:
+    raise checkpoint_lib.PretrainedError(str(e)) from None
+  if loaded.languages is not None:
+    config.decoding.forced_bos_id = loaded.code_id(target)
 
 
 def _apply_family(config: ml_collections.ConfigDict, checkpoint: checkpoint_lib.Checkpoint,
@@ -176,14 +193,25 @@ def saved(workdir: str) -> bool:
   return (files_dir(workdir) / "config.json").exists()
 
 
-def tokenizer(folder, vocab: vocab_lib.VocabMap) -> tokenizer_lib.PretrainedTokenizer:
-  """The checkpoint's tokenizer; refused where it ends sequences with something other than
-  EOS (mBART-cc25 appends a language code after it), which this pipeline cannot reproduce."""
+def tokenizer(folder, vocab: vocab_lib.VocabMap,
+              config: ml_collections.ConfigDict | None = None
+              ) -> tokenizer_lib.PretrainedTokenizer:
+  """The checkpoint's tokenizer, tagging texts with `config`'s source_lang / target_lang
+  where it has language codes; refused where it ends sequences with something other than
+  EOS (mBART-cc25 and NLLB's legacy_behaviour append a language code after it), which this
+  pipeline cannot reproduce yet."""
   loaded = tokenizer_lib.PretrainedTokenizer(folder, vocab)
-  if not loaded.ends_with_eos:
+  if config is not None and loaded.languages is not None:
+    try:
+      loaded.set_languages(config.get("source_lang", ""), config.get("target_lang", ""))
+    except ValueError as e:
+      raise checkpoint_lib.PretrainedError(str(e)) from None
+  if not loaded.ends_with_eos or (loaded.languages
+                                  and loaded.languages.style == languages_lib.SUFFIX):
     raise checkpoint_lib.PretrainedError(
         f"The tokenizer of {folder} does not end sequences with its EOS token (mBART-cc25 "
-        "style language codes); such tokenizers are not supported yet.")
+        "or NLLB legacy_behaviour language codes after </s>); such tokenizers are not "
+        "supported yet.")
   return loaded
 
 
@@ -197,5 +225,6 @@ def saved_vocab(workdir: str) -> vocab_lib.VocabMap:
   return checkpoint_lib.vocab_map(saved_json(workdir))
 
 
-def saved_tokenizer(workdir: str) -> tokenizer_lib.PretrainedTokenizer:
-  return tokenizer(files_dir(workdir), saved_vocab(workdir))
+def saved_tokenizer(workdir: str, config: ml_collections.ConfigDict | None = None
+                    ) -> tokenizer_lib.PretrainedTokenizer:
+  return tokenizer(files_dir(workdir), saved_vocab(workdir), config)

@@ -1,0 +1,293 @@
+"""Multilingual checkpoints against transformers: M2M100 / NLLB-200 (`m2m_100`) and mBART-50.
+
+Tiny tokenizers are trained here on English and Vietnamese sentences and saved by transformers
+as NLLB's, M2M100's and mBART-50's files (with their language codes); tiny random models are
+written by transformers beside them. The tokenizer's ids with config.source_lang /
+target_lang equal transformers' with src_lang / tgt_lang; teacher-forced logits equal
+PyTorch's on padded batches; greedy outputs equal `generate(forced_bos_token_id=<target
+code>)` in both directions, through `Predictor.from_pretrained` and `--mode predict
+--pretrained`; wrong language settings are one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests import cli
+from tests import hf_fixtures
+from transformer_jax import default_config
+from transformer_jax import families
+from transformer_jax import layers
+from transformer_jax import models
+from transformer_jax import predict
+from transformer_jax.data import pipeline
+from transformer_jax.pretrained import checkpoint as checkpoint_lib
+from transformer_jax.pretrained import tokenizer as tokenizer_lib
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+NEW_TOKENS = 10
+NLLB_CODES = ["eng_Latn", "vie_Latn", "deu_Latn", "fra_Latn"]
+# kind -> (source code, target code) for en -> vi, in the checkpoint's own codes.
+CODES = {"nllb": ("eng_Latn", "vie_Latn"), "m2m100": ("en", "vi"),
+         "mbart50": ("en_XX", "vi_VN")}
+KINDS = tuple(CODES)
+_SIZES = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+              decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, init_std=0.3,
+              max_position_embeddings=64, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+              decoder_start_token_id=2)
+
+
+@pytest.fixture(scope="module")
+def texts():
+  """(English, Vietnamese) sentences: 300 each to train on, the rest held out."""
+  en, vi = hf_fixtures.model_sentences("en", 400), hf_fixtures.model_sentences("vi", 400)
+  return en, vi
+
+
+def _spm(texts_: list[str]) -> bytes:
+  # fairseq's SentencePiece ids (<unk> 0, <s> 1, </s> 2), as NLLB's, M2M100's and mBART's are.
+  return hf_fixtures._spm_model(texts_, 600, unk_id=0, bos_id=1, eos_id=2, pad_id=-1)  # pylint: disable=protected-access
+
+
+def _tokenizer_files(kind: str, folder: str, model: bytes):
+  """Writes the kind's tokenizer files into `folder`; returns transformers' tokenizer."""
+  os.makedirs(folder, exist_ok=True)
+  with open(os.path.join(folder, "sentencepiece.bpe.model"), "wb") as f:
+    f.write(model)
+  if kind == "nllb":
+    tok = transformers.NllbTokenizer.from_pretrained(folder,
+                                                     additional_special_tokens=NLLB_CODES)
+  elif kind == "mbart50":
+    tok = transformers.MBart50Tokenizer.from_pretrained(folder)
+  else:  # M2M100: vocab.json over the pieces, fairseq's four specials first
+    import sentencepiece as spm  # pylint: disable=import-outside-toplevel
+    processor = spm.SentencePieceProcessor(model_proto=model)
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+    for i in range(processor.get_piece_size()):
+      vocab.setdefault(processor.id_to_piece(i), len(vocab))
+    with open(os.path.join(folder, "vocab.json"), "w", encoding="utf-8") as f:
+      json.dump(vocab, f, ensure_ascii=False)
+    tok = transformers.M2M100Tokenizer(os.path.join(folder, "vocab.json"),
+                                       os.path.join(folder, "sentencepiece.bpe.model"))
+  tok.save_pretrained(folder)
+  return transformers.AutoTokenizer.from_pretrained(folder)
+
+
+def _vocab_size(tok) -> int:
+  """Rows for every id the tokenizer gives (M2M100's language ids lie past len(tok))."""
+  top = max(len(tok), *tok.convert_tokens_to_ids(tok.all_special_tokens))
+  if hasattr(tok, "lang_token_to_id"):
+    top = max(top, *tok.lang_token_to_id.values())
+  return -(-(top + 1) // 8) * 8
+
+
+@dataclasses.dataclass
+class Built:
+  folder: str
+  hf_tokenizer: Any
+  torch_model: Any
+  checkpoint: checkpoint_lib.Checkpoint
+  params: dict
+
+
+@pytest.fixture(scope="module")
+def built(texts, tmp_path_factory):
+  """kind -> a tiny checkpoint folder of it (NLLB, M2M100: m2m_100; mBART-50: mbart)."""
+  model = _spm(texts[0][:300] + texts[1][:300])
+  result = {}
+  for seed, kind in enumerate(KINDS):
+    folder = str(tmp_path_factory.mktemp(kind))
+    tok = _tokenizer_files(kind, folder, model)
+    torch.manual_seed(seed)
+    if kind == "mbart50":
+      torch_model = transformers.MBartForConditionalGeneration(transformers.MBartConfig(
+          **_SIZES, vocab_size=_vocab_size(tok), scale_embedding=True)).eval()
+    else:
+      torch_model = transformers.M2M100ForConditionalGeneration(transformers.M2M100Config(
+          **_SIZES, vocab_size=_vocab_size(tok))).eval()
+    with torch.no_grad():
+      for name, param in torch_model.named_parameters():
+        if "layer_norm" in name or "layernorm" in name:
+          param.add_(0.1 * torch.randn_like(param))
+    torch_model.save_pretrained(folder)
+    checkpoint = checkpoint_lib.open_checkpoint(folder)
+    result[kind] = Built(folder, tok, torch_model, checkpoint,
+                         checkpoint_lib.read_params(checkpoint))
+  return result
+
+
+def _tokenizer(b: Built, source: str, target: str) -> tokenizer_lib.PretrainedTokenizer:
+  tok = tokenizer_lib.PretrainedTokenizer(b.folder, b.checkpoint.vocab)
+  tok.set_languages(source, target)
+  return tok
+
+
+def _hf_tokenizer(b: Built, source: str, target: str):
+  return transformers.AutoTokenizer.from_pretrained(b.folder, src_lang=source, tgt_lang=target)
+
+
+def test_t2t_table_equals_transformers():
+  for dim in (16, 17):
+    reference = transformers.models.m2m_100.modeling_m2m_100.M2M100SinusoidalPositionalEmbedding\
+        .get_embedding(40, dim, padding_idx=1).numpy()
+    # float32 both; numpy's and PyTorch's sin / exp differ in the last bit or two.
+    np.testing.assert_allclose(layers.sinusoidal_positions_t2t(38, dim), reference[2:],
+                               atol=2e-6, rtol=0)
+  positions = layers.non_pad_positions(jnp.array([[0, 0, 5, 6, 7], [5, 6, 0, 0, 0]]))
+  np.testing.assert_array_equal(positions, [[0, 0, 0, 1, 2], [0, 1, 0, 0, 0]])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tokenizer_ids_equal_transformers(built, texts, kind):
+  b = built[kind]
+  en, vi = texts
+  for source, target, sources, targets in ((*CODES[kind], en, vi),
+                                           (*CODES[kind][::-1], vi, en)):
+    ours, theirs = _tokenizer(b, source, target), _hf_tokenizer(b, source, target)
+    vocab = b.checkpoint.vocab
+    for text, text_target in zip(sources, targets):
+      expected = theirs(text, text_target=text_target)
+      assert vocab.hf(pipeline.with_eos(ours.encode(text), 512)).tolist() == (
+          expected["input_ids"])
+      assert vocab.hf(pipeline.with_eos(ours.encode_target(text_target), 512)).tolist() == (
+          expected["labels"])
+    assert ours.encode_batch(sources[:5]) == [ours.encode(t) for t in sources[:5]]
+    assert ours.encode_target_batch(targets[:5]) == [ours.encode_target(t)
+                                                      for t in targets[:5]]
+    # The codes tag each side: the source's first, the target's first.
+    assert vocab.hf(ours.encode(sources[0]))[0] == theirs.convert_tokens_to_ids(
+        theirs.src_lang if kind != "m2m100" else theirs.get_lang_token(source))
+
+
+def _short(texts, count: int, start: int = 300) -> tuple[list[str], list[str]]:
+  """`count` held-out (English, Vietnamese) pairs of at most 120 characters each."""
+  pairs = [(e, v) for e, v in zip(*(t[start:] for t in texts)) if max(len(e), len(v)) < 120]
+  return [e for e, _ in pairs[:count]], [v for _, v in pairs[:count]]
+
+
+def _padded(rows: list[list[int]], extra: int = 0) -> np.ndarray:
+  length = max(len(r) for r in rows) + 1 + extra
+  return np.stack([np.pad(pipeline.with_eos(r, length), (0, length - len(r) - 1))
+                   for r in rows])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_teacher_forced_logits_equal_pytorch(built, texts, kind):
+  b = built[kind]
+  tok = _tokenizer(b, *CODES[kind])
+  en, vi = _short(texts, 4)
+  inputs = _padded([tok.encode(t) for t in en])
+  targets = _padded([tok.encode_target(t) for t in vi], extra=1)
+  assert len(set((inputs != 0).sum(1))) > 1  # rows padded differently
+  family = families.from_model_config("encoder_decoder",
+                                      models.TransformerConfig(**b.checkpoint.fields))
+  ours = np.asarray(jax.jit(lambda p, i, t: family.forward(
+      p, {"inputs": i, "targets": t}, deterministic=True))(b.params, inputs, targets))
+  vocab = b.checkpoint.vocab
+  decoder_inputs = np.asarray(models.shift_right(jnp.asarray(targets),
+                                                 b.checkpoint.fields["bos_id"]))
+  with torch.no_grad():
+    reference = b.torch_model(
+        input_ids=torch.tensor(vocab.hf(inputs)), attention_mask=torch.tensor(inputs != 0),
+        decoder_input_ids=torch.tensor(vocab.hf(decoder_inputs))).logits.numpy()
+  reference = reference[..., vocab.to_hf]
+  valid = targets != 0
+  np.testing.assert_allclose(ours[valid], reference[valid], atol=1e-4, rtol=0)
+  assert np.ptp(reference[valid]) > 0.1
+
+
+def _serving_config(source: str, target: str):
+  config = default_config.get_config()
+  config.source_lang, config.target_lang = source, target
+  config.decoding.method = "greedy"
+  config.decoding.max_decode_len = NEW_TOKENS
+  return config
+
+
+def _hf_generate(b: Built, sentences: list[str], source: str, target: str) -> list[str]:
+  tok = _hf_tokenizer(b, source, target)
+  batch = tok(sentences, return_tensors="pt", padding=True)
+  code = tok.convert_tokens_to_ids(target) if not hasattr(tok, "get_lang_id") else (
+      tok.get_lang_id(target))
+  with torch.no_grad():
+    out = b.torch_model.generate(**batch, forced_bos_token_id=code, num_beams=1,
+                                 do_sample=False, max_new_tokens=NEW_TOKENS)
+  return out, tok
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_equals_generate_with_forced_target_code(built, texts, kind):
+  b = built[kind]
+  en, vi = texts
+  en, vi = _short(texts, 6, start=330)
+  for (source, target), sentences in ((CODES[kind], en), (CODES[kind][::-1], vi)):
+    predictor = predict.Predictor.from_pretrained(b.folder, _serving_config(source, target))
+    out, tok = _hf_generate(b, sentences, source, target)
+    vocab = b.checkpoint.vocab
+    prompts = list(predictor._prompts(sentences).values())  # pylint: disable=protected-access
+    ours = predictor.output_ids(prompts)
+    for row, ids in zip(out.numpy(), ours):
+      expected = [int(i) for i in row[1:] if i != tok.pad_token_id]
+      got = [int(i) for i in vocab.hf(ids)]
+      got = got[:got.index(2) + 1] if 2 in got else got
+      assert got == expected
+      assert got[0] == expected[0] == (tok.convert_tokens_to_ids(target)
+                                       if kind != "m2m100" else tok.get_lang_id(target))
+    texts_out = predictor.predict(sentences)
+    reference = [tok.decode([i for i in row[2:] if i not in tok.all_special_ids
+                             and i < len(tok)], skip_special_tokens=True) for row in out.numpy()]
+    assert texts_out == reference
+    assert not any(target in t or f"__{target}__" in t for t in texts_out)
+
+
+def test_predict_cli_equals_generate(built, texts, tmp_path):
+  b = built["nllb"]
+  sentences = _short(texts, 4, start=350)[1]
+  out, tok = _hf_generate(b, sentences, "vie_Latn", "eng_Latn")
+  expected = [tok.decode(row[2:], skip_special_tokens=True) for row in out.numpy()]
+  result = subprocess.run(
+      [sys.executable, "-m", "transformer_jax.main", "--pretrained", b.folder, "--mode",
+       "predict", "--config.source_lang=vie_Latn", "--config.target_lang=eng_Latn",
+       "--config.decoding.method=greedy", f"--config.decoding.max_decode_len={NEW_TOKENS}"],
+      input="\n".join(sentences) + "\n", cwd=cli.ROOT, env=cli.env(), capture_output=True,
+      text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.splitlines() == expected
+
+
+@pytest.mark.parametrize("flags,message", [
+    ((), "multilingual checkpoint: set the language to translate into, "
+         "--config.target_lang=CODE (e.g. vie_Latn"),
+    (("--config.target_lang=vie_Latm",), "Unknown language code config.target_lang='vie_Latm'"
+                                         " for this checkpoint (4 codes; close matches: "
+                                         "vie_Latn"),
+])
+def test_wrong_languages_are_one_line(built, tmp_path, flags, message):
+  output = tmp_path / "out.txt"
+  result = subprocess.run(
+      [sys.executable, "-m", "transformer_jax.main", "--pretrained", built["nllb"].folder,
+       "--mode", "predict", "--output", str(output), *flags], input="xin chào\n",
+      cwd=cli.ROOT, env=cli.env(), capture_output=True, text=True, timeout=300)
+  assert result.returncode != 0
+  assert message in result.stderr
+  assert "Traceback" not in result.stderr
+  assert not output.exists()
+
+
+def test_codes_for_a_checkpoint_without_them_are_refused(tmp_path):
+  folder = hf_fixtures.tiny_model("bart", str(tmp_path / "bart"))
+  with pytest.raises(checkpoint_lib.PretrainedError, match="has no language codes: drop "
+                     "config.source_lang / config.target_lang"):
+    predict.Predictor.from_pretrained(folder, _serving_config("", "vi"))
