@@ -393,6 +393,10 @@ KINDS = {
     "gemma": Kind("gemma", DECODER_ONLY, "gemma", "gemma"),
     "gemma2": Kind("gemma2", DECODER_ONLY, "gemma", "gemma"),
     "gemma3_text": Kind("gemma3_text", DECODER_ONLY, "gemma", "gemma"),
+    # M2M100 / NLLB-200 (last, so that no other kind's seed moves): pre-LN with final norms,
+    # ReLU, scaled embeddings, sinusoidal positions over non-pad tokens, no logits bias. BART's
+    # tokenizer (no language codes; tests/test_multilingual.py has NLLB's and M2M100's).
+    "m2m_100": Kind("m2m_100", ENCODER_DECODER, "bart", "m2m_100"),
 }
 ALL_KINDS = tuple(KINDS)
 _of_family = lambda family: tuple(k for k, kind in KINDS.items() if kind.family == family)
@@ -569,6 +573,18 @@ def _bart(kind: str, files: TokenizerFiles, generation: dict, labels):
       eos_token_id=files.eos_id, forced_eos_token_id=files.eos_id)
 
 
+def _m2m_100(kind: str, files: TokenizerFiles, generation: dict, labels):
+  """M2M100: (model class, config); its generation config forces EOS last, as BART's does
+  (M2M100Config has no such field of its own)."""
+  del kind, labels
+  import transformers  # pylint: disable=import-outside-toplevel
+  generation.setdefault("forced_eos_token_id", files.eos_id)
+  return transformers.M2M100ForConditionalGeneration, transformers.M2M100Config(
+      **_BART_SIZES, vocab_size=files.vocab_size, max_position_embeddings=64,
+      bos_token_id=files.tokenizer.bos_token_id, pad_token_id=files.pad_id,
+      eos_token_id=files.eos_id, decoder_start_token_id=files.eos_id)
+
+
 def _marian(kind: str, files: TokenizerFiles, generation: dict, labels):
   """OPUS-MT: (model class, config); its generation config bans the pad token."""
   del kind, labels
@@ -679,7 +695,7 @@ def _gemma(kind: str, files: TokenizerFiles, generation: dict, labels):
 
 # Model builder -> (kind, tokenizer files, generation_config values, labels) -> (model class,
 # config); it may add generation values (Marian's banned pad).
-_MODEL_BUILDERS = {"t5": _t5, "bart": _bart, "marian": _marian, "bert": _encoder,
+_MODEL_BUILDERS = {"t5": _t5, "bart": _bart, "marian": _marian, "m2m_100": _m2m_100, "bert": _encoder,
                    "roberta": _encoder, "xlm-roberta": _encoder, "gpt2": _gpt2,
                    "llama": _llama, "gemma": _gemma}
 

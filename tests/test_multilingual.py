@@ -291,3 +291,100 @@ def test_codes_for_a_checkpoint_without_them_are_refused(tmp_path):
   with pytest.raises(checkpoint_lib.PretrainedError, match="has no language codes: drop "
                      "config.source_lang / config.target_lang"):
     predict.Predictor.from_pretrained(folder, _serving_config("", "vi"))
+
+
+# ---- Many directions in one run ------------------------------------------------------------
+
+def _directions_config(b: Built):
+  config = _serving_config("", "")
+  config.pretrained = b.folder
+  config.directions, config.language_codes = "en-vi,vi-en", "en=eng_Latn,vi=vie_Latn"
+  return config
+
+
+def test_a_mixed_batch_decodes_each_row_as_alone(built, texts):
+  b = built["nllb"]
+  predictor = predict.Predictor.from_pretrained(b.folder, _directions_config(b))
+  tok, n = predictor.tokenizer, predictor.config.max_source_length
+  en, vi = _short(texts, 3, start=360)
+  rows = []  # en -> vi and vi -> en rows, alternating
+  for e, v in zip(en, vi):
+    for text, (source, target) in ((e, ("eng_Latn", "vie_Latn")), (v, ("vie_Latn", "eng_Latn"))):
+      with tok.using_languages(source, target):
+        rows.append((text, source, target,
+                     np.append(pipeline.with_eos(tok.encode(text), n), tok.code_id(target))))
+  mixed = predictor.output_ids([prompt for *_, prompt in rows])
+  for (text, source, target, prompt), ids in zip(rows, mixed):
+    np.testing.assert_array_equal(ids, predictor.output_ids([prompt])[0])
+    # ... and as transformers' generate for that row's own direction.
+    out, _ = _hf_generate(b, [text], source, target)
+    got = [int(i) for i in b.checkpoint.vocab.hf(ids)]
+    assert got[:got.index(2) + 1 if 2 in got else None] == [
+        int(i) for i in out.numpy()[0, 1:] if i != 1]
+
+
+def _parallel_folder(folder) -> str | None:
+  """Tatoeba's aligned English / Vietnamese sentences as train / validation files; None
+  where the shared corpora are not here."""
+  root = os.path.join(hf_fixtures.SHARED, "tatoeba")
+  if not os.path.isdir(root):
+    return None
+  os.makedirs(folder, exist_ok=True)
+  for suffix, name in (("en", "tatoeba.vie-eng.eng"), ("vi", "tatoeba.vie-eng.vie")):
+    with open(os.path.join(root, name), encoding="utf-8") as f:
+      lines = [line.strip() for line in f][:96]
+    for split, part in (("train", lines[:80]), ("validation", lines[80:])):
+      with open(os.path.join(folder, f"{split}.{suffix}"), "w", encoding="utf-8") as f:
+        f.write("\n".join(part) + "\n")
+  return str(folder)
+
+
+def test_fine_tuning_both_directions_and_export(built, tmp_path):
+  from transformer_jax import train  # pylint: disable=import-outside-toplevel
+  b = built["nllb"]
+  data_dir = _parallel_folder(tmp_path / "data")
+  if data_dir is None:
+    pytest.skip("the shared corpora (Tatoeba vie-eng) are not here")
+  config = _directions_config(b)
+  config.update(dataset="local", data_dir=data_dir, eval_split="validation",
+                max_source_length=32, max_target_length=32, per_device_batch_size=8,
+                learning_rate=2e-3, warmup_steps=2, log_every_steps=5, num_generate_examples=8,
+                num_train_steps=5, eval_every_steps=5, checkpoint_every_steps=5,
+                checkpoint_best_metric="chrf")
+  config.attention_images.layers = ()
+  workdir = str(tmp_path / "run")
+  first = train.train_and_evaluate(config, workdir)
+  config.num_train_steps = 25
+  last = train.train_and_evaluate(config, workdir)
+  assert last["loss"] < first["loss"]
+  for direction in ("en-vi", "vi-en"):
+    assert {f"{direction}_bleu", f"{direction}_chrf", f"{direction}_chrf++"} <= set(last)
+  assert last["chrf"] == pytest.approx((last["en-vi_chrf"] + last["vi-en_chrf"]) / 2)
+
+  output = str(tmp_path / "exported")
+  result = cli.run(workdir, "--mode", "export", "--output", output)
+  assert result.returncode == 0, result.stderr[-3000:]
+  reloaded = transformers.AutoTokenizer.from_pretrained(output, src_lang="vie_Latn",
+                                                        tgt_lang="eng_Latn")
+  assert reloaded.convert_tokens_to_ids(NLLB_CODES) == b.hf_tokenizer.convert_tokens_to_ids(
+      NLLB_CODES)
+  predictor = predict.Predictor.from_workdir(workdir)
+  with predictor.tokenizer.using_languages("vie_Latn", "eng_Latn"):
+    ids = predictor.tokenizer.encode("Tôi yêu bạn.")
+  assert b.checkpoint.vocab.hf(pipeline.with_eos(ids, 32)).tolist() == (
+      reloaded("Tôi yêu bạn.")["input_ids"])
+  params = predictor.layout.checkpoint_state(predictor.device_params)
+  inputs = np.array([ids + [1], (ids + [1])[:4] + [0] * (len(ids) - 3)])
+  targets = np.array([[5, 9, 11, 1], [7, 1, 0, 0]])
+  ours = np.asarray(predictor.family.model.apply({"params": params}, jnp.asarray(inputs),
+                                                 jnp.asarray(targets), deterministic=True))
+  decoder_inputs = np.asarray(models.shift_right(jnp.asarray(targets),
+                                                 predictor.family.model_config.bos_id))
+  vocab = b.checkpoint.vocab
+  model = transformers.AutoModelForSeq2SeqLM.from_pretrained(output).eval()
+  with torch.no_grad():
+    theirs = model(input_ids=torch.tensor(vocab.hf(inputs)),
+                   attention_mask=torch.tensor(inputs != 0),
+                   decoder_input_ids=torch.tensor(vocab.hf(decoder_inputs))).logits.numpy()
+  np.testing.assert_allclose(ours[targets != 0], theirs[..., vocab.to_hf][targets != 0],
+                             atol=1e-4, rtol=0)

@@ -17,6 +17,7 @@ import ml_collections
 from transformer_jax import default_config
 from transformer_jax import families
 from transformer_jax import workdir as workdir_lib
+from transformer_jax.data import directions as directions_lib
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
 from transformer_jax.pretrained import generation
 from transformer_jax.pretrained import languages as languages_lib
@@ -104,21 +105,30 @@ def apply(config: ml_collections.ConfigDict, checkpoint: checkpoint_lib.Checkpoi
         config.decoding.banned_ids = tuple(sorted(set(config.decoding.banned_ids) | set(value)))
       elif key in _TOKEN_DECODING_KEYS and config.decoding[key] == defaults[key]:
         config.decoding[key] = value
-    if checkpoint.family == "encoder_decoder":
+    if not family.continues_prompt:  # the encoder-decoders: the only multilingual ones
       _apply_languages(config, checkpoint)
 
 
 def _apply_languages(config: ml_collections.ConfigDict,
                      checkpoint: checkpoint_lib.Checkpoint) -> None:
-  """config.source_lang / target_lang checked against the checkpoint's language codes, and
-  the target code forced as the first output token (transformers' forced_bos_token_id)."""
+  """config.source_lang / target_lang (and a many-direction run's language codes) checked
+  against the checkpoint's language codes, and the target code forced as the first output
+  token (transformers' forced_bos_token_id)."""
   loaded = tokenizer_lib.PretrainedTokenizer(checkpoint.folder, checkpoint.vocab)
   source, target = config.get("source_lang", ""), config.get("target_lang", "")
   try:
-    loaded.set_languages(source, target)
+    many = directions_lib.pairs(config)
+    if many and loaded.languages is None:
+      raise ValueError(f"{checkpoint.folder} has no language codes: config.directions needs a "
+                       "multilingual checkpoint (NLLB-200, M2M100, mBART-50).")
+    codes = directions_lib.codes(config)
+    for pair in many:  # every direction's codes known; each row forces its own target code
+      loaded.set_languages(*(codes.get(language, language) for language in pair))
+    if target or not many:
+      loaded.set_languages(source, target)
   except ValueError as e:
     raise checkpoint_lib.PretrainedError(str(e)) from None
-  if loaded.languages is not None:
+  if loaded.languages is not None and target:
     config.decoding.forced_bos_id = loaded.code_id(target)
 
 
@@ -201,7 +211,9 @@ def tokenizer(folder, vocab: vocab_lib.VocabMap,
   EOS (mBART-cc25 and NLLB's legacy_behaviour append a language code after it), which this
   pipeline cannot reproduce yet."""
   loaded = tokenizer_lib.PretrainedTokenizer(folder, vocab)
-  if config is not None and loaded.languages is not None:
+  # A many-direction run without target_lang tags each example with its own (data/features.py).
+  if (config is not None and loaded.languages is not None
+      and (config.get("target_lang") or not directions_lib.pairs(config))):
     try:
       loaded.set_languages(config.get("source_lang", ""), config.get("target_lang", ""))
     except ValueError as e:

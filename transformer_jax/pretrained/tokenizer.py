@@ -20,6 +20,7 @@ Pad: a checkpoint without a pad token (GPT-2) gets one added past its vocabulary
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -135,6 +136,18 @@ class PretrainedTokenizer:
     self._tok.src_lang = source or self.languages.default_source
     self._tok.tgt_lang = target
     self.__dict__.pop("model_proto", None)  # the saved files now name these languages
+
+  @contextlib.contextmanager
+  def using_languages(self, source: str, target: str):
+    """`set_languages(source, target)` for the duration of a `with` block (one direction of
+    a many-direction run), the languages before it restored after."""
+    before = (self._tok.src_lang, self._tok.tgt_lang)
+    self.set_languages(source, target)
+    try:
+      yield self
+    finally:
+      self._tok.src_lang, self._tok.tgt_lang = before
+      self.__dict__.pop("model_proto", None)
 
   def code_id(self, code: str) -> int:
     """The internal id of a language code's token (e.g. the target code decoding forces)."""
