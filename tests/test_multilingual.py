@@ -41,7 +41,9 @@ NEW_TOKENS = 10
 NLLB_CODES = ["eng_Latn", "vie_Latn", "deu_Latn", "fra_Latn"]
 # kind -> (source code, target code) for en -> vi, in the checkpoint's own codes.
 CODES = {"nllb": ("eng_Latn", "vie_Latn"), "m2m100": ("en", "vi"),
-         "mbart50": ("en_XX", "vi_VN")}
+         "mbart50": ("en_XX", "vi_VN"), "nllb_legacy": ("eng_Latn", "vie_Latn"),
+         "cc25": ("en_XX", "vi_VN")}
+SUFFIX_KINDS = ("nllb_legacy", "cc25")  # `X </s> [code]`
 KINDS = tuple(CODES)
 _SIZES = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
               decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, init_std=0.3,
@@ -66,11 +68,13 @@ def _tokenizer_files(kind: str, folder: str, model: bytes):
   os.makedirs(folder, exist_ok=True)
   with open(os.path.join(folder, "sentencepiece.bpe.model"), "wb") as f:
     f.write(model)
-  if kind == "nllb":
-    tok = transformers.NllbTokenizer.from_pretrained(folder,
-                                                     additional_special_tokens=NLLB_CODES)
+  if kind in ("nllb", "nllb_legacy"):
+    tok = transformers.NllbTokenizer.from_pretrained(
+        folder, additional_special_tokens=NLLB_CODES, legacy_behaviour=kind == "nllb_legacy")
   elif kind == "mbart50":
     tok = transformers.MBart50Tokenizer.from_pretrained(folder)
+  elif kind == "cc25":
+    tok = transformers.MBartTokenizer.from_pretrained(folder)
   else:  # M2M100: vocab.json over the pieces, fairseq's four specials first
     import sentencepiece as spm  # pylint: disable=import-outside-toplevel
     processor = spm.SentencePieceProcessor(model_proto=model)
@@ -111,7 +115,7 @@ def built(texts, tmp_path_factory):
     folder = str(tmp_path_factory.mktemp(kind))
     tok = _tokenizer_files(kind, folder, model)
     torch.manual_seed(seed)
-    if kind == "mbart50":
+    if kind in ("mbart50", "cc25"):
       torch_model = transformers.MBartForConditionalGeneration(transformers.MBartConfig(
           **_SIZES, vocab_size=_vocab_size(tok), scale_embedding=True)).eval()
     else:
@@ -159,16 +163,17 @@ def test_tokenizer_ids_equal_transformers(built, texts, kind):
     vocab = b.checkpoint.vocab
     for text, text_target in zip(sources, targets):
       expected = theirs(text, text_target=text_target)
-      assert vocab.hf(pipeline.with_eos(ours.encode(text), 512)).tolist() == (
-          expected["input_ids"])
-      assert vocab.hf(pipeline.with_eos(ours.encode_target(text_target), 512)).tolist() == (
+      assert vocab.hf(_ended(kind, ours.encode(text))).tolist() == expected["input_ids"]
+      assert vocab.hf(_ended(kind, ours.encode_target(text_target))).tolist() == (
           expected["labels"])
     assert ours.encode_batch(sources[:5]) == [ours.encode(t) for t in sources[:5]]
     assert ours.encode_target_batch(targets[:5]) == [ours.encode_target(t)
                                                       for t in targets[:5]]
-    # The codes tag each side: the source's first, the target's first.
-    assert vocab.hf(ours.encode(sources[0]))[0] == theirs.convert_tokens_to_ids(
-        theirs.src_lang if kind != "m2m100" else theirs.get_lang_token(source))
+    # The source is tagged with the source code: first, or last after </s>.
+    code = theirs.get_lang_id(source) if kind == "m2m100" else theirs.convert_tokens_to_ids(
+        source)
+    assert vocab.hf(_ended(kind, ours.encode(sources[0])))[
+        -1 if kind in SUFFIX_KINDS else 0] == code
 
 
 def _short(texts, count: int, start: int = 300) -> tuple[list[str], list[str]]:
@@ -177,10 +182,15 @@ def _short(texts, count: int, start: int = 300) -> tuple[list[str], list[str]]:
   return [e for e, _ in pairs[:count]], [v for _, v in pairs[:count]]
 
 
-def _padded(rows: list[list[int]], extra: int = 0) -> np.ndarray:
-  length = max(len(r) for r in rows) + 1 + extra
-  return np.stack([np.pad(pipeline.with_eos(r, length), (0, length - len(r) - 1))
-                   for r in rows])
+def _ended(kind: str, ids: list[int], max_len: int = 512) -> np.ndarray:
+  """A sequence as the family ends it: + EOS, or as it is where the code follows EOS."""
+  return (pipeline.with_own_end if kind in SUFFIX_KINDS else pipeline.with_eos)(ids, max_len)
+
+
+def _padded(kind: str, rows: list[list[int]], extra: int = 0) -> np.ndarray:
+  ended = [_ended(kind, r) for r in rows]
+  length = max(len(r) for r in ended) + extra
+  return np.stack([np.pad(r, (0, length - len(r))) for r in ended])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -188,16 +198,22 @@ def test_teacher_forced_logits_equal_pytorch(built, texts, kind):
   b = built[kind]
   tok = _tokenizer(b, *CODES[kind])
   en, vi = _short(texts, 4)
-  inputs = _padded([tok.encode(t) for t in en])
-  targets = _padded([tok.encode_target(t) for t in vi], extra=1)
+  inputs = _padded(kind, [tok.encode(t) for t in en])
+  targets = _padded(kind, [tok.encode_target(t) for t in vi], extra=1)
   assert len(set((inputs != 0).sum(1))) > 1  # rows padded differently
-  family = families.from_model_config("encoder_decoder",
-                                      models.TransformerConfig(**b.checkpoint.fields))
+  # mBART-cc25's decoder starts from the target code (the import sets the model's bos_id to
+  # it), the others' from </s>.
+  start = tok.code_id(CODES[kind][1]) if kind == "cc25" else b.checkpoint.fields["bos_id"]
+  family = families.from_model_config(
+      "encoder_decoder", models.TransformerConfig(**dict(b.checkpoint.fields, bos_id=start)))
   ours = np.asarray(jax.jit(lambda p, i, t: family.forward(
       p, {"inputs": i, "targets": t}, deterministic=True))(b.params, inputs, targets))
   vocab = b.checkpoint.vocab
-  decoder_inputs = np.asarray(models.shift_right(jnp.asarray(targets),
-                                                 b.checkpoint.fields["bos_id"]))
+  decoder_inputs = np.asarray(models.shift_right(jnp.asarray(targets), start))
+  if kind == "cc25":  # transformers' own shift: the labels' last token (the code) first
+    labels = torch.tensor(np.where(targets != 0, vocab.hf(targets), -100))
+    shifted = transformers.models.mbart.modeling_mbart.shift_tokens_right(labels, 1).numpy()
+    assert (shifted == vocab.hf(decoder_inputs))[targets != 0].all()
   with torch.no_grad():
     reference = b.torch_model(
         input_ids=torch.tensor(vocab.hf(inputs)), attention_mask=torch.tensor(inputs != 0),
@@ -221,9 +237,12 @@ def _hf_generate(b: Built, sentences: list[str], source: str, target: str) -> li
   batch = tok(sentences, return_tensors="pt", padding=True)
   code = tok.convert_tokens_to_ids(target) if not hasattr(tok, "get_lang_id") else (
       tok.get_lang_id(target))
+  # mBART-cc25 starts decoding from the target code; the others force it as the first token.
+  start = dict(decoder_start_token_id=code) if type(tok).__name__ == "MBartTokenizer" else (
+      dict(forced_bos_token_id=code))
   with torch.no_grad():
-    out = b.torch_model.generate(**batch, forced_bos_token_id=code, num_beams=1,
-                                 do_sample=False, max_new_tokens=NEW_TOKENS)
+    out = b.torch_model.generate(**batch, **start, num_beams=1, do_sample=False,
+                                 max_new_tokens=NEW_TOKENS)
   return out, tok
 
 
@@ -243,10 +262,11 @@ def test_greedy_equals_generate_with_forced_target_code(built, texts, kind):
       got = [int(i) for i in vocab.hf(ids)]
       got = got[:got.index(2) + 1] if 2 in got else got
       assert got == expected
-      assert got[0] == expected[0] == (tok.convert_tokens_to_ids(target)
-                                       if kind != "m2m100" else tok.get_lang_id(target))
+      if kind != "cc25":  # the target code first (cc25's decoder starts from it)
+        assert got[0] == expected[0] == (tok.convert_tokens_to_ids(target)
+                                         if kind != "m2m100" else tok.get_lang_id(target))
     texts_out = predictor.predict(sentences)
-    reference = [tok.decode([i for i in row[2:] if i not in tok.all_special_ids
+    reference = [tok.decode([i for i in row[1:] if i not in tok.all_special_ids
                              and i < len(tok)], skip_special_tokens=True) for row in out.numpy()]
     assert texts_out == reference
     assert not any(target in t or f"__{target}__" in t for t in texts_out)

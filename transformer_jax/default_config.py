@@ -152,6 +152,9 @@ def get_config() -> ml_collections.ConfigDict:
   # and their mean. '' = the one direction of the data config.
   config.directions = ""
   config.language_codes = ""
+  # Set by the import, not by hand: the checkpoint's tokenizer ends sentences itself with a
+  # language code after EOS, `X </s> [code]` (mBART-cc25, NLLB's legacy_behaviour).
+  config.code_after_eos = False
   # SentencePiece: trained on a sample of the training split and saved in the workdir, or an
   # existing .model file given by `path` (copied into the workdir).
   config.tokenizer = ml_collections.ConfigDict(dict(

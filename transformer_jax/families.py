@@ -110,6 +110,8 @@ class EncoderDecoder(family_base.SequenceFamily):
     # Many translation directions in one run (data/directions.py): each prompt carries its
     # row's target-language code after its EOS, the token decoding forces first in that row.
     self.code_after_prompt = bool(directions.pairs(config))
+    # mBART-cc25 / NLLB legacy_behaviour: `X </s> [code]`, ended by the tokenizer itself.
+    self.code_after_eos = bool(config.get("code_after_eos", False))
 
   def _make_model(self):
     return models.EncoderDecoder(self.model_config)
@@ -117,8 +119,12 @@ class EncoderDecoder(family_base.SequenceFamily):
   def max_prompt_length(self) -> int:
     return self.config.max_source_length + self.code_after_prompt
 
+  def _ended(self, ids, max_len: int) -> np.ndarray:
+    end = pipeline.with_own_end if self.code_after_eos else pipeline.with_eos
+    return end(ids, max_len)
+
   def prompt(self, source: list[int]) -> np.ndarray:
-    prompt = super().prompt(source)
+    prompt = self._ended(source, self.config.max_source_length)
     if not self.code_after_prompt:
       return prompt
     code = self.config.decoding.forced_bos_id  # the target code of config.target_lang
@@ -155,8 +161,8 @@ class EncoderDecoder(family_base.SequenceFamily):
 
   def example_features(self, source, target, source_weights=None):
     del source_weights  # decoder-only chat conversations only
-    return {"inputs": pipeline.with_eos(source, self.config.max_source_length),
-            "targets": pipeline.with_eos(target, self.config.max_target_length)}
+    return {"inputs": self._ended(source, self.config.max_source_length),
+            "targets": self._ended(target, self.config.max_target_length)}
 
   def init_cache(self, batch_size: int, source_len: int, cache_len: int):
     """Zeroed decoder KV cache for `batch_size` rows and `cache_len` positions, shaped

@@ -27,6 +27,9 @@ class Languages:
   codes: dict[str, int]
   style: str
   default_source: str  # the tokenizer's own src_lang
+  # mBART-cc25: the decoder starts from the target code (its decoder_start_token_id), which
+  # no token is forced after; the others start from </s> and force the code first.
+  decoder_starts_with_code: bool = False
 
   def id_of(self, code: str, key: str) -> int:
     """The checkpoint id of `code`; ValueError naming the close matches for an unknown one."""
@@ -57,7 +60,8 @@ def of(tokenizer) -> Languages | None:
     return None
   if not codes:
     return None
-  return Languages({k: int(v) for k, v in codes.items()}, style, tokenizer.src_lang)
+  return Languages({k: int(v) for k, v in codes.items()}, style, tokenizer.src_lang,
+                   decoder_starts_with_code=name.startswith("MBart") and style == SUFFIX)
 
 
 def _is_nllb_code(token: str) -> bool:

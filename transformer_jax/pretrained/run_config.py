@@ -128,8 +128,18 @@ def _apply_languages(config: ml_collections.ConfigDict,
       loaded.set_languages(source, target)
   except ValueError as e:
     raise checkpoint_lib.PretrainedError(str(e)) from None
-  if loaded.languages is not None and target:
-    config.decoding.forced_bos_id = loaded.code_id(target)
+  languages = loaded.languages
+  config.code_after_eos = bool(languages and languages.style == languages_lib.SUFFIX)
+  if config.code_after_eos and many:
+    raise checkpoint_lib.PretrainedError(
+        f"The tokenizer of {checkpoint.folder} puts language codes after </s> (mBART-cc25, "
+        "NLLB legacy_behaviour): config.directions is not supported with it; train one "
+        "direction (config.source_lang / target_lang).")
+  if languages is not None and target:
+    if languages.decoder_starts_with_code:  # mBART-cc25
+      config.model.bos_id = loaded.code_id(target)
+    else:
+      config.decoding.forced_bos_id = loaded.code_id(target)
 
 
 def _apply_family(config: ml_collections.ConfigDict, checkpoint: checkpoint_lib.Checkpoint,
@@ -208,8 +218,7 @@ def tokenizer(folder, vocab: vocab_lib.VocabMap,
               ) -> tokenizer_lib.PretrainedTokenizer:
   """The checkpoint's tokenizer, tagging texts with `config`'s source_lang / target_lang
   where it has language codes; refused where it ends sequences with something other than
-  EOS (mBART-cc25 and NLLB's legacy_behaviour append a language code after it), which this
-  pipeline cannot reproduce yet."""
+  EOS or, as mBART-cc25 and NLLB's legacy_behaviour do, EOS and a language code."""
   loaded = tokenizer_lib.PretrainedTokenizer(folder, vocab)
   # A many-direction run without target_lang tags each example with its own (data/features.py).
   if (config is not None and loaded.languages is not None
@@ -218,12 +227,11 @@ def tokenizer(folder, vocab: vocab_lib.VocabMap,
       loaded.set_languages(config.get("source_lang", ""), config.get("target_lang", ""))
     except ValueError as e:
       raise checkpoint_lib.PretrainedError(str(e)) from None
-  if not loaded.ends_with_eos or (loaded.languages
-                                  and loaded.languages.style == languages_lib.SUFFIX):
+  suffix = loaded.languages is not None and loaded.languages.style == languages_lib.SUFFIX
+  if not loaded.ends_with_eos and not suffix:
     raise checkpoint_lib.PretrainedError(
-        f"The tokenizer of {folder} does not end sequences with its EOS token (mBART-cc25 "
-        "or NLLB legacy_behaviour language codes after </s>); such tokenizers are not "
-        "supported yet.")
+        f"The tokenizer of {folder} does not end sequences with its EOS token; such "
+        "tokenizers are not supported.")
   return loaded
 
 
