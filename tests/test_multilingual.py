@@ -33,6 +33,7 @@ from transformer_jax import families
 from transformer_jax import layers
 from transformer_jax import models
 from transformer_jax import predict
+from transformer_jax import workdir as workdir_lib
 from transformer_jax.data import pipeline
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
 from transformer_jax.pretrained import tokenizer as tokenizer_lib
@@ -401,6 +402,14 @@ def test_fine_tuning_both_directions_and_export(built, tmp_path):
                                                         tgt_lang="eng_Latn")
   assert reloaded.convert_tokens_to_ids(NLLB_CODES) == b.hf_tokenizer.convert_tokens_to_ids(
       NLLB_CODES)
+  # Predicting names one direction: its source tagging, its target code after the prompt.
+  saved = workdir_lib.load_config(workdir)
+  saved.source_lang, saved.target_lang = "vie_Latn", "eng_Latn"
+  one = predict.Predictor.from_workdir(workdir, config=saved)
+  prompt = one.family.prompt(one.tokenizer.encode("Tôi yêu bạn."))
+  assert b.checkpoint.vocab.hf(prompt).tolist() == (
+      reloaded("Tôi yêu bạn.")["input_ids"] + [reloaded.convert_tokens_to_ids("eng_Latn")])
+
   predictor = predict.Predictor.from_workdir(workdir)
   with predictor.tokenizer.using_languages("vie_Latn", "eng_Latn"):
     ids = predictor.tokenizer.encode("Tôi yêu bạn.")
