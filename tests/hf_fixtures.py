@@ -191,6 +191,53 @@ def xlmr_tokenizer_files(folder: str, texts: list[str], vocab_size: int = 800) -
   return _reloaded(folder)
 
 
+def fairseq_spm_model(texts: list[str], vocab_size: int = 600) -> bytes:
+  """A SentencePiece model with fairseq's ids (<unk> 0, <s> 1, </s> 2), as NLLB's, M2M100's
+  and mBART's sentencepiece.bpe.model are."""
+  return _spm_model(texts, vocab_size, unk_id=0, bos_id=1, eos_id=2, pad_id=-1)
+
+
+def multilingual_tokenizer_files(kind: str, folder: str, model: bytes,
+                                 nllb_codes: Sequence[str] = ("eng_Latn", "vie_Latn")):
+  """A multilingual tokenizer's files written by transformers around SentencePiece `model`:
+  'nllb' / 'nllb_legacy' (NLLB-200's, with `nllb_codes` as its language codes; legacy:
+  `legacy_behaviour`), 'm2m100' (M2M100's vocab.json + spm, its 100 codes), 'mbart50'
+  (mBART-50's 52 codes) or 'cc25' (mBART-cc25's 25). Returns transformers' tokenizer."""
+  import sentencepiece  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  os.makedirs(folder, exist_ok=True)
+  with open(os.path.join(folder, "sentencepiece.bpe.model"), "wb") as f:
+    f.write(model)
+  if kind in ("nllb", "nllb_legacy"):
+    tok = transformers.NllbTokenizer.from_pretrained(
+        folder, additional_special_tokens=list(nllb_codes),
+        legacy_behaviour=kind == "nllb_legacy")
+  elif kind == "mbart50":
+    tok = transformers.MBart50Tokenizer.from_pretrained(folder)
+  elif kind == "cc25":
+    tok = transformers.MBartTokenizer.from_pretrained(folder)
+  else:  # M2M100: vocab.json over the pieces, fairseq's four specials first
+    processor = sentencepiece.SentencePieceProcessor(model_proto=model)
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+    for i in range(processor.get_piece_size()):
+      vocab.setdefault(processor.id_to_piece(i), len(vocab))
+    with open(os.path.join(folder, "vocab.json"), "w", encoding="utf-8") as f:
+      json.dump(vocab, f, ensure_ascii=False)
+    tok = transformers.M2M100Tokenizer(os.path.join(folder, "vocab.json"),
+                                       os.path.join(folder, "sentencepiece.bpe.model"))
+  tok.save_pretrained(folder)
+  return transformers.AutoTokenizer.from_pretrained(folder)
+
+
+def rows_for(tok) -> int:
+  """Embedding rows for every id `tok` gives (M2M100's language ids lie past len(tok)), a
+  multiple of 8."""
+  top = max(len(tok), *tok.convert_tokens_to_ids(tok.all_special_tokens))
+  if hasattr(tok, "lang_token_to_id"):
+    top = max(top, *tok.lang_token_to_id.values())
+  return -(-(top + 1) // 8) * 8
+
+
 def gpt2_tokenizer_files(folder: str, texts: list[str], vocab_size: int = 800) -> TokenizerFiles:
   """GPT-2: byte-level BPE (all 256 bytes, then merges) with `<|endoftext|>` the last id, as
   vocab.json + merges.txt + tokenizer.json. `<|endoftext|>` is bos, eos and unk; there is no

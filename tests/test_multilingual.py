@@ -12,7 +12,6 @@ code>)` in both directions, through `Predictor.from_pretrained` and `--mode pred
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -42,7 +41,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 NEW_TOKENS = 10
-NLLB_CODES = ["eng_Latn", "vie_Latn", "deu_Latn", "fra_Latn"]
+NLLB_CODES = ("eng_Latn", "vie_Latn", "deu_Latn", "fra_Latn")
 # kind -> (source code, target code) for en -> vi, in the checkpoint's own codes.
 CODES = {"nllb": ("eng_Latn", "vie_Latn"), "m2m100": ("en", "vi"),
          "mbart50": ("en_XX", "vi_VN"), "nllb_legacy": ("eng_Latn", "vie_Latn"),
@@ -62,45 +61,6 @@ def texts():
   return en, vi
 
 
-def _spm(texts_: list[str]) -> bytes:
-  # fairseq's SentencePiece ids (<unk> 0, <s> 1, </s> 2), as NLLB's, M2M100's and mBART's are.
-  return hf_fixtures._spm_model(texts_, 600, unk_id=0, bos_id=1, eos_id=2, pad_id=-1)  # pylint: disable=protected-access
-
-
-def _tokenizer_files(kind: str, folder: str, model: bytes):
-  """Writes the kind's tokenizer files into `folder`; returns transformers' tokenizer."""
-  os.makedirs(folder, exist_ok=True)
-  with open(os.path.join(folder, "sentencepiece.bpe.model"), "wb") as f:
-    f.write(model)
-  if kind in ("nllb", "nllb_legacy"):
-    tok = transformers.NllbTokenizer.from_pretrained(
-        folder, additional_special_tokens=NLLB_CODES, legacy_behaviour=kind == "nllb_legacy")
-  elif kind == "mbart50":
-    tok = transformers.MBart50Tokenizer.from_pretrained(folder)
-  elif kind == "cc25":
-    tok = transformers.MBartTokenizer.from_pretrained(folder)
-  else:  # M2M100: vocab.json over the pieces, fairseq's four specials first
-    import sentencepiece as spm  # pylint: disable=import-outside-toplevel
-    processor = spm.SentencePieceProcessor(model_proto=model)
-    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
-    for i in range(processor.get_piece_size()):
-      vocab.setdefault(processor.id_to_piece(i), len(vocab))
-    with open(os.path.join(folder, "vocab.json"), "w", encoding="utf-8") as f:
-      json.dump(vocab, f, ensure_ascii=False)
-    tok = transformers.M2M100Tokenizer(os.path.join(folder, "vocab.json"),
-                                       os.path.join(folder, "sentencepiece.bpe.model"))
-  tok.save_pretrained(folder)
-  return transformers.AutoTokenizer.from_pretrained(folder)
-
-
-def _vocab_size(tok) -> int:
-  """Rows for every id the tokenizer gives (M2M100's language ids lie past len(tok))."""
-  top = max(len(tok), *tok.convert_tokens_to_ids(tok.all_special_tokens))
-  if hasattr(tok, "lang_token_to_id"):
-    top = max(top, *tok.lang_token_to_id.values())
-  return -(-(top + 1) // 8) * 8
-
-
 @dataclasses.dataclass
 class Built:
   folder: str
@@ -113,18 +73,18 @@ class Built:
 @pytest.fixture(scope="module")
 def built(texts, tmp_path_factory):
   """kind -> a tiny checkpoint folder of it (NLLB, M2M100: m2m_100; mBART-50: mbart)."""
-  model = _spm(texts[0][:300] + texts[1][:300])
+  model = hf_fixtures.fairseq_spm_model(texts[0][:300] + texts[1][:300])
   result = {}
   for seed, kind in enumerate(KINDS):
     folder = str(tmp_path_factory.mktemp(kind))
-    tok = _tokenizer_files(kind, folder, model)
+    tok = hf_fixtures.multilingual_tokenizer_files(kind, folder, model, NLLB_CODES)
     torch.manual_seed(seed)
     if kind in ("mbart50", "cc25"):
       torch_model = transformers.MBartForConditionalGeneration(transformers.MBartConfig(
-          **_SIZES, vocab_size=_vocab_size(tok), scale_embedding=True)).eval()
+          **_SIZES, vocab_size=hf_fixtures.rows_for(tok), scale_embedding=True)).eval()
     else:
       torch_model = transformers.M2M100ForConditionalGeneration(transformers.M2M100Config(
-          **_SIZES, vocab_size=_vocab_size(tok))).eval()
+          **_SIZES, vocab_size=hf_fixtures.rows_for(tok))).eval()
     with torch.no_grad():
       for name, param in torch_model.named_parameters():
         if "layer_norm" in name or "layernorm" in name:
@@ -400,8 +360,8 @@ def test_fine_tuning_both_directions_and_export(built, tmp_path):
   commands.run_export(workdir, output)
   reloaded = transformers.AutoTokenizer.from_pretrained(output, src_lang="vie_Latn",
                                                         tgt_lang="eng_Latn")
-  assert reloaded.convert_tokens_to_ids(NLLB_CODES) == b.hf_tokenizer.convert_tokens_to_ids(
-      NLLB_CODES)
+  assert reloaded.convert_tokens_to_ids(list(NLLB_CODES)) == (
+      b.hf_tokenizer.convert_tokens_to_ids(list(NLLB_CODES)))
   # Predicting names one direction: its source tagging, its target code after the prompt.
   saved = workdir_lib.load_config(workdir)
   saved.source_lang, saved.target_lang = "vie_Latn", "eng_Latn"
