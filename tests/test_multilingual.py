@@ -27,12 +27,14 @@ from tensorboard.backend.event_processing import event_accumulator
 from tests import cli
 from tests import hf_fixtures
 from transformer_jax import commands
+from transformer_jax import config_validation
 from transformer_jax import default_config
 from transformer_jax import families
 from transformer_jax import layers
 from transformer_jax import models
 from transformer_jax import predict
 from transformer_jax import workdir as workdir_lib
+from transformer_jax.data import directions
 from transformer_jax.data import pipeline
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
 from transformer_jax.pretrained import tokenizer as tokenizer_lib
@@ -284,6 +286,29 @@ def test_codes_for_a_checkpoint_without_them_are_refused(tmp_path):
   with pytest.raises(checkpoint_lib.PretrainedError, match="has no language codes: drop "
                      "config.source_lang / config.target_lang"):
     predict.Predictor.from_pretrained(folder, _serving_config("", "vi"))
+  config = _serving_config("", "")
+  config.directions = "en-vi,vi-en"
+  with pytest.raises(checkpoint_lib.PretrainedError, match="has no language codes: "
+                     "config.directions needs a multilingual checkpoint"):
+    predict.Predictor.from_pretrained(folder, config)
+
+
+def test_directions_are_checked_before_anything_runs():
+  config = default_config.get_config()
+  config.directions, config.language_codes = " en-vi, vi-en ", "en=eng_Latn, vi=vie_Latn"
+  assert directions.pairs(config) == [("en", "vi"), ("vi", "en")]
+  assert directions.codes(config) == {"en": "eng_Latn", "vi": "vie_Latn"}
+  assert config_validation.problems(config) == [
+      "config.directions translates with a multilingual encoder-decoder checkpoint: set "
+      "config.task='translation' and config.pretrained (NLLB-200, M2M100, mBART-50)"]
+  config.pretrained = "facebook/nllb-200-distilled-600M"
+  assert config_validation.problems(config) == []
+  for key, value, message in (("directions", "en", "write each direction as SOURCE-TARGET"),
+                              ("directions", "en-en", "write each direction as SOURCE-TARGET"),
+                              ("language_codes", "en:eng_Latn", "write DATA_LANGUAGE=CODE")):
+    bad = default_config.get_config()
+    bad.pretrained, bad[key] = "x", value
+    assert any(message in problem for problem in config_validation.problems(bad))
 
 
 # ---- Many directions in one run ------------------------------------------------------------

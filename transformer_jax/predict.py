@@ -60,9 +60,10 @@ class Predictor:
     'best' for the best evaluation's)."""
     config = config or workdir_lib.load_config(workdir)
     tokenizer = preparation.workdir_tokenizer(config, workdir)
-    if getattr(tokenizer, "languages", None) and config.get("target_lang"):
+    if config.get("pretrained"):
+      from transformer_jax.pretrained import run_config  # pylint: disable=g-import-not-at-top
       # The target code of this call's config.target_lang, not of the training run's.
-      config.decoding.forced_bos_id = tokenizer.code_id(config.target_lang)
+      run_config.apply_target_code(config, tokenizer)
     layout = parallel.make_layout(config, fit_devices=True)
     init = functools.partial(families.get(config).init_params, boxed=True)
     params, step = checkpoints.restore_params(workdir, init, step, average_last, layout)

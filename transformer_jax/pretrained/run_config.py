@@ -135,11 +135,21 @@ def _apply_languages(config: ml_collections.ConfigDict,
         f"The tokenizer of {checkpoint.folder} puts language codes after </s> (mBART-cc25, "
         "NLLB legacy_behaviour): config.directions is not supported with it; train one "
         "direction (config.source_lang / target_lang).")
-  if languages is not None and target:
-    if languages.decoder_starts_with_code:  # mBART-cc25
-      config.model.bos_id = loaded.code_id(target)
+  apply_target_code(config, loaded)
+
+
+def apply_target_code(config: ml_collections.ConfigDict,
+                      loaded: tokenizer_lib.PretrainedTokenizer) -> None:
+  """Decoding into config.target_lang: its code forced as the first output token, or for
+  mBART-cc25 the decoder's first input (its decoder_start_token_id)."""
+  if loaded.languages is None or not config.get("target_lang"):
+    return
+  code = loaded.code_id(config.target_lang)
+  with config.unlocked():
+    if loaded.languages.decoder_starts_with_code:
+      config.model.bos_id = code
     else:
-      config.decoding.forced_bos_id = loaded.code_id(target)
+      config.decoding.forced_bos_id = code
 
 
 def _apply_family(config: ml_collections.ConfigDict, checkpoint: checkpoint_lib.Checkpoint,
