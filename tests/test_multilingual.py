@@ -218,12 +218,20 @@ def _hf_generate(b: Built, sentences: list[str], source: str, target: str) -> li
   return out, tok
 
 
-@pytest.mark.parametrize("kind", KINDS)
+# One direction per kind here, the directions alternating. NLLB's: both in the mixed batch
+# below (through Predictor.from_pretrained, each row against generate) and vi -> en through
+# the command line.
+GREEDY_DIRECTIONS = {"m2m100": "vi-en", "mbart50": "en-vi", "nllb_legacy": "vi-en",
+                     "cc25": "en-vi"}
+
+
+@pytest.mark.parametrize("kind", sorted(GREEDY_DIRECTIONS))
 def test_greedy_equals_generate_with_forced_target_code(built, texts, kind):
   b = built[kind]
-  en, vi = texts
   en, vi = _short(texts, 6, start=330, tok=built["nllb"].hf_tokenizer)
-  for (source, target), sentences in ((CODES[kind], en), (CODES[kind][::-1], vi)):
+  reverse = GREEDY_DIRECTIONS[kind] == "vi-en"
+  for source, target in [CODES[kind][::-1] if reverse else CODES[kind]]:
+    sentences = vi if reverse else en
     predictor = predict.Predictor.from_pretrained(b.folder, _serving_config(source, target))
     out, tok = _hf_generate(b, sentences, source, target)
     vocab = b.checkpoint.vocab
@@ -367,7 +375,7 @@ def test_fine_tuning_both_directions_and_export(built, tmp_path):
   config.update(dataset="local", data_dir=data_dir, eval_split="validation",
                 max_source_length=32, max_target_length=32, per_device_batch_size=8,
                 learning_rate=2e-3, warmup_steps=2, log_every_steps=4, num_generate_examples=8,
-                num_train_steps=12, eval_every_steps=4, checkpoint_every_steps=12,
+                num_train_steps=12, eval_every_steps=6, checkpoint_every_steps=12,
                 checkpoint_best_metric="chrf")
   config.attention_images.layers = ()
   workdir = str(tmp_path / "run")
@@ -378,7 +386,7 @@ def test_fine_tuning_both_directions_and_export(built, tmp_path):
   record = event_accumulator.EventAccumulator(os.path.join(workdir, "eval"))
   record.Reload()
   losses = [e.value for e in record.Scalars("loss")]
-  assert len(losses) == 3 and losses[-1] < losses[0]
+  assert len(losses) == 2 and losses[-1] < losses[0]
   assert {"chrf", "chrf++", "en-vi_chrf", "vi-en_bleu"} <= set(record.Tags()["scalars"])
 
   output = str(tmp_path / "exported")
