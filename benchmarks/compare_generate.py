@@ -4,9 +4,13 @@
       [--methods greedy,beam4,sample] [--new_tokens 64] [--prompt_tokens 0] [--rounds 3] \
       [--threads 2]
   # A folder of random weights at a known size first (no download needed): gpt2 (124M,
-  # decoder-only), smollm2-135m (Llama blocks, GQA) or t5-small (60M, encoder-decoder), with
-  # a small trained tokenizer:
+  # decoder-only), smollm2-135m (Llama blocks, GQA), t5-small (60M, encoder-decoder) or
+  # nllb-1.3b (NLLB-200-distilled-1.3B's sizes, m2m_100, 5.5 GB of float32; English ->
+  # Vietnamese with the target code forced first; nllb-tiny: the same at toy size), with a
+  # small trained tokenizer:
   python benchmarks/compare_generate.py --make gpt2 --pretrained /tmp/gpt2_size
+  python benchmarks/compare_generate.py --make nllb-1.3b --pretrained /tmp/nllb_size \
+      --methods beam4 --batch_sizes 1,8 --new_tokens 32 --threads 2
 
 Both sides decode the same prompts (the same token ids: ours as `Predictor.from_pretrained`
 builds them; transformers gets them as input_ids, left-padded with an attention mask) for
@@ -45,7 +49,19 @@ SIZES = {
     "t5-small": dict(model_type="t5", d_model=512, d_kv=64, d_ff=2048, num_layers=6,
                      num_heads=8, vocab_size=32128, feed_forward_proj="relu",
                      tie_word_embeddings=True, decoder_start_token_id=0),
+    # facebook/nllb-200-distilled-1.3B's sizes (its 256,206-row vocabulary included).
+    "nllb-1.3b": dict(model_type="m2m_100", d_model=1024, encoder_layers=24, decoder_layers=24,
+                      encoder_attention_heads=16, decoder_attention_heads=16,
+                      encoder_ffn_dim=8192, decoder_ffn_dim=8192, vocab_size=256206,
+                      max_position_embeddings=1024, scale_embedding=True),
+    "nllb-tiny": dict(model_type="m2m_100", d_model=64, encoder_layers=2, decoder_layers=2,
+                      encoder_attention_heads=4, decoder_attention_heads=4,
+                      encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=1024,
+                      max_position_embeddings=256, scale_embedding=True),
 }
+# The languages of a multilingual checkpoint (its codes): source, then the target code that
+# both sides force as the first output token.
+LANGUAGES = ("eng_Latn", "vie_Latn")
 
 
 def make_folder(size: str, folder: str) -> None:
@@ -67,6 +83,11 @@ def make_folder(size: str, folder: str) -> None:
     end = files.eos_id  # the tokenizer's <|endoftext|>
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         **hf, bos_token_id=end, eos_token_id=end))
+  elif model_type == "m2m_100":
+    spm = hf_fixtures.fairseq_spm_model(texts + hf_fixtures.model_sentences("vi"))
+    hf_fixtures.multilingual_tokenizer_files("nllb", folder, spm, LANGUAGES)
+    model = transformers.M2M100ForConditionalGeneration(transformers.M2M100Config(
+        **hf, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2))
   else:
     hf_fixtures.t5_tokenizer_files(folder, texts)
     model = transformers.T5ForConditionalGeneration(transformers.T5Config(
@@ -74,12 +95,22 @@ def make_folder(size: str, folder: str) -> None:
   model.save_pretrained(folder)
 
 
+def _languages(folder: str) -> dict:
+  """config keys naming the languages of a checkpoint with language codes (NLLB's)."""
+  with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+    multilingual = json.load(f)["model_type"] == "m2m_100"
+  return dict(source_lang=LANGUAGES[0], target_lang=LANGUAGES[1]) if multilingual else {}
+
+
 def prompts(folder: str, batch_size: int, length: int = 0) -> tuple[list, list[list[int]]]:
   """Our prompts (internal ids) and the same as the checkpoint's ids, `batch_size` of them:
   a sentence each, or with `length` that many tokens of running text."""
   from tests import hf_fixtures  # pylint: disable=g-import-not-at-top
+  from transformer_jax import default_config  # pylint: disable=g-import-not-at-top
   from transformer_jax import predict  # pylint: disable=g-import-not-at-top
-  predictor = predict.Predictor.from_pretrained(folder)
+  config = default_config.get_config()
+  config.update(_languages(folder))
+  predictor = predict.Predictor.from_pretrained(folder, config)
   texts = hf_fixtures.model_sentences("en")
   if length:  # sentences joined until the prompt has `length` tokens, then cut there
     texts = [" ".join(texts[i:i + length]) for i in range(batch_size)]
@@ -120,6 +151,9 @@ def run_torch(folder: str, method: str, batch_size: int, new_tokens: int, thread
                 min_new_tokens=new_tokens, max_new_tokens=new_tokens, pad_token_id=pad)
   if kwargs["do_sample"]:
     kwargs.update(temperature=1.0, top_k=0, top_p=1.0)
+  if _languages(folder):  # the target code first, as ours forces it
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    kwargs["forced_bos_token_id"] = tokenizer.convert_tokens_to_ids(LANGUAGES[1])
 
   def call():
     with torch.inference_mode():

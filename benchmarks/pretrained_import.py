@@ -2,6 +2,7 @@
 
   python benchmarks/pretrained_import.py --size t5-base --folder /tmp/t5-base
   python benchmarks/pretrained_import.py --size flan-t5-large --folder /tmp/flan-t5-large
+  python benchmarks/pretrained_import.py --size nllb-1.3b --folder /tmp/nllb_size
 
 Writes a randomly initialised checkpoint of the named size (config.json from the published
 config's sizes; model.safetensors in transformers' tensor names, written from this project's
@@ -31,6 +32,11 @@ SIZES = {  # the published configs' sizes (google-t5/t5-base, google/flan-t5-lar
 
 def write_checkpoint(size: str, folder: str) -> None:
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  if size.startswith("nllb"):  # written by transformers (m2m_100, with NLLB's tokenizer)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import compare_generate  # pylint: disable=g-import-not-at-top
+    compare_generate.make_folder(size, folder)
+    return
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   from transformer_jax.pretrained import checkpoint, mapping, t5  # pylint: disable=g-import-not-at-top
   hf = dict(model_type="t5", vocab_size=32128, relative_attention_num_buckets=32,
@@ -102,7 +108,8 @@ def measure(what: str, folder: str) -> dict:
 
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("--size", choices=sorted(SIZES), default="t5-base")
+  parser.add_argument("--size", choices=sorted(SIZES) + ["nllb-1.3b", "nllb-tiny"],
+                      default="t5-base")
   parser.add_argument("--folder", required=True)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--measure", choices=["safetensors", "import"], help=argparse.SUPPRESS)

@@ -191,6 +191,53 @@ def xlmr_tokenizer_files(folder: str, texts: list[str], vocab_size: int = 800) -
   return _reloaded(folder)
 
 
+def fairseq_spm_model(texts: list[str], vocab_size: int = 600) -> bytes:
+  """A SentencePiece model with fairseq's ids (<unk> 0, <s> 1, </s> 2), as NLLB's, M2M100's
+  and mBART's sentencepiece.bpe.model are."""
+  return _spm_model(texts, vocab_size, unk_id=0, bos_id=1, eos_id=2, pad_id=-1)
+
+
+def multilingual_tokenizer_files(kind: str, folder: str, model: bytes,
+                                 nllb_codes: Sequence[str] = ("eng_Latn", "vie_Latn")):
+  """A multilingual tokenizer's files written by transformers around SentencePiece `model`:
+  'nllb' / 'nllb_legacy' (NLLB-200's, with `nllb_codes` as its language codes; legacy:
+  `legacy_behaviour`), 'm2m100' (M2M100's vocab.json + spm, its 100 codes), 'mbart50'
+  (mBART-50's 52 codes) or 'cc25' (mBART-cc25's 25). Returns transformers' tokenizer."""
+  import sentencepiece  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  os.makedirs(folder, exist_ok=True)
+  with open(os.path.join(folder, "sentencepiece.bpe.model"), "wb") as f:
+    f.write(model)
+  if kind in ("nllb", "nllb_legacy"):
+    tok = transformers.NllbTokenizer.from_pretrained(
+        folder, additional_special_tokens=list(nllb_codes),
+        legacy_behaviour=kind == "nllb_legacy")
+  elif kind == "mbart50":
+    tok = transformers.MBart50Tokenizer.from_pretrained(folder)
+  elif kind == "cc25":
+    tok = transformers.MBartTokenizer.from_pretrained(folder)
+  else:  # M2M100: vocab.json over the pieces, fairseq's four specials first
+    processor = sentencepiece.SentencePieceProcessor(model_proto=model)
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+    for i in range(processor.get_piece_size()):
+      vocab.setdefault(processor.id_to_piece(i), len(vocab))
+    with open(os.path.join(folder, "vocab.json"), "w", encoding="utf-8") as f:
+      json.dump(vocab, f, ensure_ascii=False)
+    tok = transformers.M2M100Tokenizer(os.path.join(folder, "vocab.json"),
+                                       os.path.join(folder, "sentencepiece.bpe.model"))
+  tok.save_pretrained(folder)
+  return transformers.AutoTokenizer.from_pretrained(folder)
+
+
+def rows_for(tok) -> int:
+  """Embedding rows for every id `tok` gives (M2M100's language ids lie past len(tok)), a
+  multiple of 8."""
+  top = max(len(tok), *tok.convert_tokens_to_ids(tok.all_special_tokens))
+  if hasattr(tok, "lang_token_to_id"):
+    top = max(top, *tok.lang_token_to_id.values())
+  return -(-(top + 1) // 8) * 8
+
+
 def gpt2_tokenizer_files(folder: str, texts: list[str], vocab_size: int = 800) -> TokenizerFiles:
   """GPT-2: byte-level BPE (all 256 bytes, then merges) with `<|endoftext|>` the last id, as
   vocab.json + merges.txt + tokenizer.json. `<|endoftext|>` is bos, eos and unk; there is no
@@ -393,6 +440,10 @@ KINDS = {
     "gemma": Kind("gemma", DECODER_ONLY, "gemma", "gemma"),
     "gemma2": Kind("gemma2", DECODER_ONLY, "gemma", "gemma"),
     "gemma3_text": Kind("gemma3_text", DECODER_ONLY, "gemma", "gemma"),
+    # M2M100 / NLLB-200 (last, so that no other kind's seed moves): pre-LN with final norms,
+    # ReLU, scaled embeddings, sinusoidal positions over non-pad tokens, no logits bias. BART's
+    # tokenizer (no language codes; tests/test_multilingual.py has NLLB's and M2M100's).
+    "m2m_100": Kind("m2m_100", ENCODER_DECODER, "bart", "m2m_100"),
 }
 ALL_KINDS = tuple(KINDS)
 _of_family = lambda family: tuple(k for k, kind in KINDS.items() if kind.family == family)
@@ -569,6 +620,18 @@ def _bart(kind: str, files: TokenizerFiles, generation: dict, labels):
       eos_token_id=files.eos_id, forced_eos_token_id=files.eos_id)
 
 
+def _m2m_100(kind: str, files: TokenizerFiles, generation: dict, labels):
+  """M2M100: (model class, config); its generation config forces EOS last, as BART's does
+  (M2M100Config has no such field of its own)."""
+  del kind, labels
+  import transformers  # pylint: disable=import-outside-toplevel
+  generation.setdefault("forced_eos_token_id", files.eos_id)
+  return transformers.M2M100ForConditionalGeneration, transformers.M2M100Config(
+      **_BART_SIZES, vocab_size=files.vocab_size, max_position_embeddings=64,
+      bos_token_id=files.tokenizer.bos_token_id, pad_token_id=files.pad_id,
+      eos_token_id=files.eos_id, decoder_start_token_id=files.eos_id)
+
+
 def _marian(kind: str, files: TokenizerFiles, generation: dict, labels):
   """OPUS-MT: (model class, config); its generation config bans the pad token."""
   del kind, labels
@@ -679,7 +742,7 @@ def _gemma(kind: str, files: TokenizerFiles, generation: dict, labels):
 
 # Model builder -> (kind, tokenizer files, generation_config values, labels) -> (model class,
 # config); it may add generation values (Marian's banned pad).
-_MODEL_BUILDERS = {"t5": _t5, "bart": _bart, "marian": _marian, "bert": _encoder,
+_MODEL_BUILDERS = {"t5": _t5, "bart": _bart, "marian": _marian, "m2m_100": _m2m_100, "bert": _encoder,
                    "roberta": _encoder, "xlm-roberta": _encoder, "gpt2": _gpt2,
                    "llama": _llama, "gemma": _gemma}
 

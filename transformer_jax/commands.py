@@ -72,7 +72,9 @@ def run_evaluate(workdir: str | None, step: int | str | None = None, split: str 
                 split=split, examples=len(encoded[split]),
                 **({} if decoding is None else {"decoding": decoding.method}),
                 average_last=average_last)
-  if "bleu" in result or tasks.is_mixture(config.task):
+  if "bleu" in result:
+    result.update(metrics.translation_signatures())
+  elif tasks.is_mixture(config.task):
     result["bleu_signature"] = metrics.bleu_signature()
   if config.get("pretrained") and predictor.step == 0:
     result["pretrained"] = config.pretrained

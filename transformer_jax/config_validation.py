@@ -18,6 +18,7 @@ from transformer_jax import families
 from transformer_jax import layers
 from transformer_jax import lora as lora_lib
 from transformer_jax import parallel
+from transformer_jax.data import directions
 from transformer_jax.data import hf_source
 from transformer_jax.data import prompt_format
 
@@ -291,12 +292,28 @@ def _data_problems(config: ml_collections.ConfigDict) -> list[str]:
     found.extend(_huggingface_problems(config))
   if config.task == "multitask" and not config.mixture:
     found.append("config.task='multitask' needs config.mixture (see configs/multitask.py)")
+  found.extend(_direction_problems(config))
   # A Hugging Face dataset's ClassLabel column names its classes itself (checked on opening).
   if (config.task == "classification" and config.dataset != "huggingface"
       and len(config.label_names) != config.model.num_classes):
     found.append(f"config.label_names has {len(config.label_names)} names but "
                  f"config.model.num_classes={config.model.num_classes}")
   return found
+
+
+def _direction_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """Many translation directions (data/directions.py): well written, and for a multilingual
+  checkpoint's translation (its codes are checked against the checkpoint on opening it)."""
+  try:
+    many = directions.pairs(config)
+    directions.codes(config)
+  except ValueError as e:
+    return [str(e).rstrip(".")]
+  if many and (config.task != "translation" or not config.get("pretrained")
+               or families.name(config) != "encoder_decoder"):
+    return ["config.directions translates with a multilingual encoder-decoder checkpoint: "
+            "set config.task='translation' and config.pretrained (NLLB-200, M2M100, mBART-50)"]
+  return []
 
 
 def _decoding_problems(config: ml_collections.ConfigDict) -> list[str]:

@@ -147,15 +147,24 @@ def _force(logits: Array, token_id: int, at: Array) -> Array:
   return jnp.where(at, only, logits)
 
 
-def forced_bos_processor(token_id: int) -> LogitsProcessor:
+def forced_bos_processor(token_id: int | Array) -> LogitsProcessor:
   """Forces `token_id` at output position 0 (Hugging Face's forced_bos_token_id, e.g. the
-  target-language token of multilingual BART)."""
-  _check("forced_bos_id", token_id, lambda v: v >= 0, ">= 0")
+  target-language token of multilingual BART), or one per input ([batch] ids, 0 = none: each
+  row's own target language), repeated over its consecutive rows (beams, samples)."""
+  if jnp.ndim(token_id) == 0:
+    _check("forced_bos_id", token_id, lambda v: v >= 0, ">= 0")
 
-  def process(logits, step, sequences):
+    def process(logits, step, sequences):
+      del sequences
+      return _force(logits, token_id, step == 0)
+    return process
+
+  def process_rows(logits, step, sequences):
     del sequences
-    return _force(logits, token_id, step == 0)
-  return process
+    ids = first_inputs(token_id, logits.shape[0])  # [rows, 1]
+    only = jnp.where(jnp.arange(logits.shape[-1])[None, :] == ids, 0.0, NEG_INF)
+    return jnp.where((step == 0) & (ids != 0), only, logits)
+  return process_rows
 
 
 def forced_eos_processor(eos_id: int) -> LogitsProcessor:
@@ -183,7 +192,7 @@ def chain_processors(*processors: LogitsProcessor | None) -> LogitsProcessor | N
 def make_logits_processor(*, eos_id: int, end_ids: Sequence[int] = (), min_length: int = 0,
                           banned_ids: Sequence[int] = (),
                           repetition_penalty: float = 1.0, no_repeat_ngram_size: int = 0,
-                          forced_bos_id: int = -1,
+                          forced_bos_id: int | Array = -1,
                           forced_eos: bool = False) -> LogitsProcessor | None:
   """The processor for the `decoding` config's settings (None when all are off), in Hugging
   Face's order: repetition penalty, no-repeat n-grams, banned ids, min length, forced BOS,
@@ -193,7 +202,8 @@ def make_logits_processor(*, eos_id: int, end_ids: Sequence[int] = (), min_lengt
       no_repeat_ngram_processor(no_repeat_ngram_size) if no_repeat_ngram_size else None,
       banned_ids_processor(banned_ids) if len(banned_ids) else None,
       min_length_processor(min_length, eos_id, end_ids) if min_length else None,
-      forced_bos_processor(forced_bos_id) if forced_bos_id >= 0 else None,
+      forced_bos_processor(forced_bos_id) if jnp.ndim(forced_bos_id) or forced_bos_id >= 0
+      else None,
       forced_eos_processor(eos_id) if forced_eos else None)
 
 

@@ -164,6 +164,22 @@ def get_config() -> ml_collections.ConfigDict:
       # adapter_model.safetensors made for config.pretrained) instead of B = 0; '' = fresh.
       init="",
   ))
+  # A multilingual checkpoint's languages, in its own codes: NLLB-200 'vie_Latn', M2M100 'vi',
+  # mBART-50 'vi_VN'. The source is tagged as the checkpoint expects and decoding forces the
+  # target code as the first output token (pretrained/languages.py). '' = none (a checkpoint
+  # with language codes needs target_lang; source_lang defaults to its tokenizer's).
+  config.source_lang = ""
+  config.target_lang = ""
+  # Many translation directions in one run (data/directions.py): data-language pairs, e.g.
+  # 'en-vi,vi-en' (local files train.en / train.vi, or a Hub `translation` dict's keys), and
+  # their codes in the checkpoint, e.g. 'en=eng_Latn,vi=vie_Latn' (unnamed: the data name, as
+  # M2M100's 'en'). Each example forces its own target code; evaluation scores each direction
+  # and their mean. '' = the one direction of the data config.
+  config.directions = ""
+  config.language_codes = ""
+  # Set by the import, not by hand: the checkpoint's tokenizer ends sentences itself with a
+  # language code after EOS, `X </s> [code]` (mBART-cc25, NLLB's legacy_behaviour).
+  config.code_after_eos = False
   # SentencePiece: trained on a sample of the training split and saved in the workdir, or an
   # existing .model file given by `path` (copied into the workdir).
   config.tokenizer = ml_collections.ConfigDict(dict(
@@ -305,11 +321,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every_steps = 250
   # Keep the newest this many checkpoints.
   config.keep_checkpoints = 3
-  # Also keep the parameters of the best evaluation by this eval metric (e.g. 'bleu',
-  # 'rouge1', 'accuracy', 'loss') in WORKDIR/checkpoints_best, apart from the rotation above
-  # (evaluate / predict with --checkpoint best); '' = off.
+  # Also keep the parameters of the best evaluation by this eval metric (e.g. 'bleu', 'chrf',
+  # 'chrf++', 'rouge1', 'accuracy', 'loss') in WORKDIR/checkpoints_best, apart from the rotation
+  # above (evaluate / predict with --checkpoint best); '' = off.
   config.checkpoint_best_metric = ""
-  # 'max' (higher is better: bleu, rouge*, accuracy) or 'min' (loss, perplexity).
+  # 'max' (higher is better: bleu, chrf, rouge*, accuracy) or 'min' (loss, perplexity).
   config.checkpoint_best_mode = "max"
   # Stop training after this many evaluations in a row without a new best
   # checkpoint_best_metric (saving a final checkpoint); 0 = never stop early.

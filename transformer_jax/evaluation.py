@@ -1,6 +1,7 @@
 """Evaluation on a held-out split: loss and accuracy, then the task's own metric on generated
 outputs: sacreBLEU (translation), ROUGE-1/2/L (summarization), accuracy and macro-F1
-(classification), each of them per part for a multitask mixture."""
+(classification), each of them per part for a multitask mixture, and per direction (with
+their mean) for a many-direction translation run (data/directions.py)."""
 
 from __future__ import annotations
 
@@ -27,13 +28,14 @@ def _eval_step(params, batch, *, family, axis_name):
 
 def generation_indices(examples: Sequence[dict], n: int) -> list[int]:
   """The `n` examples whose outputs are generated and scored, in order: the first n, or for
-  a multitask mixture (whose examples come part after part) the parts in turn, so every part
-  is scored."""
-  if not examples or "task" not in examples[0]:
+  a multitask mixture or many directions (whose examples come part after part) the parts in
+  turn, so every part is scored."""
+  part = next((key for key in ("task", "direction") if examples and key in examples[0]), None)
+  if part is None:
     return list(range(min(n, len(examples))))
   by_part: dict[str, list[int]] = {}
   for i, example in enumerate(examples):
-    by_part.setdefault(example["task"], []).append(i)
+    by_part.setdefault(example[part], []).append(i)
   taken = itertools.chain.from_iterable(itertools.zip_longest(*by_part.values()))
   return sorted(itertools.islice((i for i in taken if i is not None), n))
 
@@ -113,8 +115,25 @@ class Evaluator:
                                            [outputs[i] for i in mine],
                                            [references[i] for i in mine])
           result.update({f"{part}_{k}": v for k, v in part_result.items()})
+      elif "direction" in examples[0]:
+        result.update(_per_direction(task, examples, outputs, references))
       else:
         result.update(tasks.text_metrics(task, outputs, references))
     rows = [dict(source=e["source"], output=o, reference=r)
             for e, o, r in zip(examples, outputs, references)]
     return result, rows
+
+
+def _per_direction(task: str, examples: Sequence[dict], outputs: Sequence[str],
+                   references: Sequence[str]) -> dict:
+  """The task's metrics per translation direction ('en-vi_bleu', 'vi-en_chrf', ...) and, under
+  the plain names, their mean over the directions (each direction counts once)."""
+  result, per_metric = {}, {}
+  for direction in sorted({e["direction"] for e in examples}):
+    mine = [i for i, e in enumerate(examples) if e["direction"] == direction]
+    scores = tasks.text_metrics(task, [outputs[i] for i in mine], [references[i] for i in mine])
+    for key, value in scores.items():
+      result[f"{direction}_{key}"] = value
+      per_metric.setdefault(key, []).append(value)
+  result.update({key: sum(values) / len(values) for key, values in per_metric.items()})
+  return result

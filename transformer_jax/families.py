@@ -28,6 +28,7 @@ from transformer_jax import generate
 from transformer_jax import model_schema
 from transformer_jax import models
 from transformer_jax import tokenizer as tokenizer_lib
+from transformer_jax.data import directions
 from transformer_jax.data import pipeline
 
 Array = jax.Array
@@ -104,8 +105,46 @@ class EncoderDecoder(family_base.SequenceFamily):
   name = "encoder_decoder"
   num_model_inputs = 2  # inputs, targets
 
+  def __init__(self, config: ml_collections.ConfigDict):
+    super().__init__(config)
+    # Many translation directions in one run (data/directions.py): each prompt carries its
+    # row's target-language code after its EOS, the token decoding forces first in that row.
+    self.code_after_prompt = bool(directions.pairs(config))
+    # mBART-cc25 / NLLB legacy_behaviour: `X </s> [code]`, ended by the tokenizer itself.
+    self.code_after_eos = bool(config.get("code_after_eos", False))
+
   def _make_model(self):
     return models.EncoderDecoder(self.model_config)
+
+  def max_prompt_length(self) -> int:
+    return self.config.max_source_length + self.code_after_prompt
+
+  def _ended(self, ids, max_len: int) -> np.ndarray:
+    end = pipeline.with_own_end if self.code_after_eos else pipeline.with_eos
+    return end(ids, max_len)
+
+  def prompt(self, source: list[int]) -> np.ndarray:
+    prompt = self._ended(source, self.config.max_source_length)
+    if not self.code_after_prompt:
+      return prompt
+    code = self.config.decoding.forced_bos_id  # the target code of config.target_lang
+    if code < 0:
+      raise ValueError("This model translates several directions: name one with "
+                       "--config.source_lang=CODE --config.target_lang=CODE.")
+    return np.append(prompt, np.int32(code))
+
+  def prompts(self, encoded) -> list[np.ndarray]:
+    inputs = super().prompts(encoded)
+    if not self.code_after_prompt:
+      return inputs
+    # The target's first token is its language code (`[code] X </s>`).
+    return [np.append(i, t[:1]).astype(np.int32)
+            for i, t in zip(inputs, encoded.features["targets"])]
+
+  def split_prompt(self, inputs):
+    if not self.code_after_prompt:
+      return inputs, None
+    return split_code(inputs)
 
   def forward(self, params, batch: dict, *, deterministic: bool, rngs=None) -> Array:
     return self.model.apply(
@@ -122,8 +161,8 @@ class EncoderDecoder(family_base.SequenceFamily):
 
   def example_features(self, source, target, source_weights=None):
     del source_weights  # decoder-only chat conversations only
-    return {"inputs": pipeline.with_eos(source, self.config.max_source_length),
-            "targets": pipeline.with_eos(target, self.config.max_target_length)}
+    return {"inputs": self._ended(source, self.config.max_source_length),
+            "targets": self._ended(target, self.config.max_target_length)}
 
   def init_cache(self, batch_size: int, source_len: int, cache_len: int):
     """Zeroed decoder KV cache for `batch_size` rows and `cache_len` positions, shaped
@@ -159,6 +198,8 @@ class EncoderDecoder(family_base.SequenceFamily):
     return tokens_to_logits
 
   def attention_weights(self, params, prompt, output):
+    if self.code_after_prompt:
+      prompt = np.asarray(prompt)[:-1]
     weights = models.attention_weights(self.model, params, prompt[None], output[None])
     decoder_inputs = np.asarray(models.shift_right(output[None], self.model_config.bos_id))[0]
     return weights, {"encoder_self": (prompt, prompt), "decoder_self": (output, decoder_inputs),
@@ -172,6 +213,15 @@ class EncoderDecoder(family_base.SequenceFamily):
     cache = self.init_cache(inputs.shape[0], inputs.shape[1], max_len)
     return (cache, self.cached_tokens_to_logits(params, encoded, inputs),
             self.model_config.bos_id)
+
+
+def split_code(inputs):
+  """[b, len] prompts whose last non-pad token is a code -> (the prompts without it, the codes
+  [b]; 0 for an all-pad row)."""
+  last = jnp.sum(inputs != 0, axis=1) - 1  # [b]; -1 for an all-pad row
+  codes = jnp.where(last >= 0, jnp.take_along_axis(inputs, jnp.maximum(last, 0)[:, None],
+                                                    axis=1)[:, 0], 0)
+  return jnp.where(jnp.arange(inputs.shape[1])[None, :] == last[:, None], 0, inputs), codes
 
 
 class DecoderOnly(family_base.SequenceFamily):

@@ -103,6 +103,10 @@ class Family(abc.ABC):
     """The examples' labels as the batches carry them (None: the family has none)."""
     return None
 
+  def max_prompt_length(self) -> int:
+    """The longest prompt (`prompt`, `prompts`) in tokens."""
+    return self.config.max_source_length
+
   def prompt(self, source: list[int]) -> np.ndarray:
     """What generation starts from for one text's source ids (predict's input)."""
     return pipeline.with_eos(source, self.config.max_source_length)
@@ -145,12 +149,18 @@ class SequenceFamily(Family):
   """A family that generates text token by token from a KV cache."""
 
   def decode(self, params, inputs, rng, *, decoding_config, nbest=1):
+    inputs, forced_first = self.split_prompt(inputs)
     max_len = self.max_decode_len(decoding_config, inputs.shape[1])
     rows = inputs.shape[0] * generate.copies(decoding_config, nbest)
     cache, tokens_to_logits, start_id = self.start_decoding(params, inputs, rows, max_len)
     return generate.search(cache, tokens_to_logits, rng, start_id=start_id,
                            batch_size=inputs.shape[0], decoding_config=decoding_config,
-                           max_len=max_len, nbest=nbest)
+                           max_len=max_len, nbest=nbest, forced_first=forced_first)
+
+  def split_prompt(self, inputs: Array) -> tuple[Array, Array | None]:
+    """[b, len] prompts -> (what the model reads, [b] first output tokens to force per row, 0
+    = none; None: no row forces one)."""
+    return inputs, None
 
   @abc.abstractmethod
   def start_decoding(self, params, inputs: Array, rows: int, max_len: int):

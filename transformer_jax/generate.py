@@ -67,7 +67,8 @@ def copies(decoding_config: ml_collections.ConfigDict, nbest: int = 1) -> int:
 
 def search(cache: Any, tokens_to_logits: decoding.TokensToLogits, rng: Array, *,
            start_id: int, batch_size: int, decoding_config: ml_collections.ConfigDict,
-           max_len: int, nbest: int = 1) -> tuple[Array, Array]:
+           max_len: int, nbest: int = 1, forced_first: Array | None = None
+           ) -> tuple[Array, Array]:
   """Runs the configured search: ([b, nbest, max_len] output ids, [b, nbest] scores), best
   first. Scores are what the search ranks by: the length-penalised log-probability for beam
   search, the log-probability for greedy and sampled outputs.
@@ -75,7 +76,8 @@ def search(cache: Any, tokens_to_logits: decoding.TokensToLogits, rng: Array, *,
   `cache` is per example (the searches expand it); `tokens_to_logits` sees
   `copies(decoding_config, nbest)` rows per example. The logits processors of
   `decoding_config` (min length, banned ids, repetition penalty, no-repeat n-grams, forced
-  BOS / EOS) apply to every method.
+  BOS / EOS) apply to every method; `forced_first` [b]: a first output token per example (0 =
+  none) instead of `forced_bos_id` (each row's target language).
   """
   d = decoding_config
   end_ids = tuple(d.end_ids)
@@ -84,7 +86,8 @@ def search(cache: Any, tokens_to_logits: decoding.TokensToLogits, rng: Array, *,
                     eos_id=tokenizer_lib.EOS_ID, end_ids=end_ids, min_length=d.min_length,
                     banned_ids=tuple(d.banned_ids), repetition_penalty=d.repetition_penalty,
                     no_repeat_ngram_size=d.no_repeat_ngram_size,
-                    forced_bos_id=d.forced_bos_id, forced_eos=d.forced_eos))
+                    forced_bos_id=d.forced_bos_id if forced_first is None else forced_first,
+                    forced_eos=d.forced_eos))
   if d.method == "beam":
     dummy_inputs = jnp.zeros((batch_size, 1), jnp.int32)  # beam_search reads only its shape
     sequences, scores = decoding.beam_search(dummy_inputs, cache, tokens_to_logits,
@@ -234,8 +237,8 @@ class Generator:
     array per prompt, or with `with_scores` a list of `nbest` (ids, score) pairs, best first."""
     decoding_config = decoding_config or self.config.decoding
     results = generate_ids(self._decoder(decoding_config, nbest), device_params, prompts,
-                           self.config.max_source_length, self.batch_size, decoding_config.seed,
-                           self.layout)
+                           self.family.max_prompt_length(), self.batch_size,
+                           decoding_config.seed, self.layout)
     if with_scores:
       return [list(zip(tokens, scores.tolist())) for tokens, scores in results]
     return [tokens[0] for tokens, _ in results]

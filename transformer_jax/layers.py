@@ -42,6 +42,35 @@ def sinusoidal_positions_halves(length: int, dim: int, base: float = 10000.0) ->
   return np.concatenate([table[:, 0::2], table[:, 1::2]], axis=1)
 
 
+def sinusoidal_positions_t2t(length: int, dim: int, base: float = 10000.0,
+                             offset: int = 2) -> np.ndarray:
+  """tensor2tensor's sinusoidal table as fairseq and M2M100 / NLLB-200 use it: [sin | cos]
+  halves whose frequencies are base^(-i / (dim/2 - 1)) (not the paper's base^(-2i / dim)), a
+  zero last column for odd `dim`, row p holding position p + `offset` (fairseq numbers
+  positions from padding_idx + 1 = 2). Computed in float32, as PyTorch computes it.
+
+  Returns:
+    float32 array [length, dim].
+  """
+  half = dim // 2
+  step = np.float32(math.log(base) / max(half - 1, 1))
+  frequencies = np.exp(np.arange(half, dtype=np.float32) * -step)  # [half]
+  angles = (np.arange(offset, length + offset, dtype=np.float32)[:, None]
+            * frequencies[None, :])  # [length, half]
+  table = np.concatenate([np.sin(angles), np.cos(angles)], axis=1)
+  if dim % 2:
+    table = np.concatenate([table, np.zeros((length, 1), np.float32)], axis=1)
+  return table.astype(np.float32)
+
+
+def non_pad_positions(tokens: jax.Array) -> jax.Array:
+  """[b, len] positions counted over non-pad tokens only (fairseq's `make_positions`): the
+  k-th non-pad token of a row is at position k - 1 whatever padding comes before it; pads
+  at 0 (their embedding is never attended to)."""
+  not_pad = (tokens != 0).astype(jnp.int32)
+  return jnp.maximum(jnp.cumsum(not_pad, axis=1) - 1, 0) * not_pad
+
+
 def rope_frequencies(dim: int, base: float = 10000.0, scaling: tuple = ("none",)) -> np.ndarray:
   """RoPE's inverse frequencies [dim / 2] in float32: base^(-2i/dim), as Hugging Face computes
   them (in float32), then scaled. `scaling`: ('none',), ('linear', factor): every frequency
@@ -251,7 +280,10 @@ class Dropout(nn.Module):
     return jnp.where(keep, x / jnp.asarray(keep_prob, x.dtype), jnp.zeros_like(x))
 
 
-POSITION_EMBEDDINGS = ("sinusoidal", "sinusoidal_halves", "learned", "relative", "rope")
+POSITION_EMBEDDINGS = ("sinusoidal", "sinusoidal_halves", "sinusoidal_t2t", "learned",
+                       "relative", "rope")
+# Kinds whose positions count non-pad tokens only (models.py derives them from the tokens).
+NON_PAD_POSITIONS = ("sinusoidal_t2t",)
 
 
 class PositionEmbedding(nn.Module):
@@ -263,7 +295,7 @@ class PositionEmbedding(nn.Module):
   a cache counter gives the absolute position of the tokens fed in this call.
   """
   max_len: int
-  kind: str = "sinusoidal"  # or "sinusoidal_halves", "learned", "relative", "rope"
+  kind: str = "sinusoidal"  # or "sinusoidal_halves", "sinusoidal_t2t", "learned", ...
   base: float = 10000.0
 
   @nn.compact
@@ -278,6 +310,8 @@ class PositionEmbedding(nn.Module):
       table = jnp.asarray(sinusoidal_positions(self.max_len, dim, self.base))
     elif self.kind == "sinusoidal_halves":
       table = jnp.asarray(sinusoidal_positions_halves(self.max_len, dim, self.base))
+    elif self.kind == "sinusoidal_t2t":
+      table = jnp.asarray(sinusoidal_positions_t2t(self.max_len, dim, self.base))
     elif self.kind == "learned":
       table = self.param("pos_embedding", nn.with_logical_partitioning(
           nn.initializers.normal(stddev=0.02), (None, "embed")), (self.max_len, dim))

@@ -89,6 +89,26 @@ def bleu_signature() -> str:
   return str(metric.get_signature())
 
 
+def chrf(hypotheses: Sequence[str], references: Sequence[str],
+         word_order: int = 0) -> tuple[float, str]:
+  """Corpus chrF (Popovic, 2015: character 6-gram F-score, beta 2), or chrF++ with
+  `word_order=2` (word uni- and bigrams besides), as sacreBLEU computes them; returns (score,
+  signature). Kinder than BLEU to morphology-rich and low-resource targets."""
+  metric = sacrebleu.metrics.CHRF(word_order=word_order)
+  score = metric.corpus_score(list(hypotheses), [list(references)])
+  return float(score.score), str(metric.get_signature())
+
+
+def translation_signatures() -> dict[str, str]:
+  """The signatures of `bleu`, `chrf` and chrF++ (settings and sacreBLEU's version)."""
+  signatures = {"bleu_signature": bleu_signature()}
+  for key, word_order in (("chrf_signature", 0), ("chrf++_signature", 2)):
+    metric = sacrebleu.metrics.CHRF(word_order=word_order)
+    metric.corpus_score(["a"], [["a"]])
+    signatures[key] = str(metric.get_signature())
+  return signatures
+
+
 def rouge(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, float]:
   """Mean ROUGE-1/2/L F-measure x 100 (rouge-score, Porter stemming, as in the summarization
   literature); ROUGE-L is the sentence-level LCS variant."""

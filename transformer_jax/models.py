@@ -136,6 +136,11 @@ def _embedding_norm(c: TransformerConfig, name: str):
   return blocks.layer_norm(c, name) if c.embedding_norm else (lambda x: x)
 
 
+def counts_non_pad(c: TransformerConfig) -> bool:
+  """Whether positions count non-pad tokens only (M2M100 / NLLB), not slots."""
+  return c.position_embedding in layers.NON_PAD_POSITIONS
+
+
 def _positions(c: TransformerConfig, name: str) -> layers.PositionEmbedding:
   return layers.PositionEmbedding(c.max_len, c.position_embedding, c.position_base, name=name)
 
@@ -165,6 +170,8 @@ class EncoderDecoder(nn.Module):
              inputs_segmentation: Array | None = None, *, deterministic: bool = False) -> Array:
     """[b, src_len] tokens -> [b, src_len, emb] encoder outputs."""
     mask = self_attention_mask(inputs, inputs_segmentation, causal=False)
+    if inputs_position is None and counts_non_pad(self.config):
+      inputs_position = layers.non_pad_positions(inputs)
     x = self.encoder_positions(self.source_embedding(inputs), inputs_position)
     x = self.dropout(self.encoder_embedding_norm(x), deterministic=deterministic)
     return self.encoder(x, mask, deterministic=deterministic, positions=inputs_position)
@@ -188,6 +195,8 @@ class EncoderDecoder(nn.Module):
       cross_mask = (inputs != 0)[:, None, None, :]  # [b, 1, 1, src_len]
     else:
       decoder_inputs = shift_right(targets, c.bos_id, targets_segmentation)
+      if targets_position is None and counts_non_pad(c):
+        targets_position = layers.non_pad_positions(decoder_inputs)
       self_mask = self_attention_mask(targets, targets_segmentation, causal=True)
       cross_mask = attention.combine_masks(
           attention.padding_mask(targets, inputs),

@@ -61,6 +61,10 @@ class Predictor:
     'best' for the best evaluation's)."""
     config = config or workdir_lib.load_config(workdir)
     tokenizer = preparation.workdir_tokenizer(config, workdir)
+    if config.get("pretrained"):
+      from transformer_jax.pretrained import run_config  # pylint: disable=g-import-not-at-top
+      # The target code of this call's config.target_lang, not of the training run's.
+      run_config.apply_target_code(config, tokenizer)
     layout = parallel.make_layout(config, fit_devices=True)
     family = families.get(config)
     if family.model_config.lora:  # served merged: decoding pays nothing for the adapters
@@ -104,7 +108,7 @@ class Predictor:
     if default_lengths:
       run_config.serving_lengths(config)  # after `apply`: the checkpoint's family decides
     config_validation.validate(config)
-    tokenizer = run_config.tokenizer(checkpoint.folder, checkpoint.vocab)
+    tokenizer = run_config.tokenizer(checkpoint.folder, checkpoint.vocab, config)
     boxed = jax.eval_shape(functools.partial(families.get(config).init_params, boxed=True),
                            jax.random.PRNGKey(0))
     params = checkpoint_lib.read_params(checkpoint, parallel.unbox(boxed))

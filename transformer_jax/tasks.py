@@ -1,6 +1,6 @@
 """Per task: which texts the tokenizer learns from and which metric scores generated outputs.
 
-  translation     sacreBLEU
+  translation     sacreBLEU, chrF and chrF++ (sacreBLEU's)
   summarization   ROUGE-1/2/L
   classification  accuracy and macro-F1 (of class ids; as text, within a multitask mixture)
   multitask       a T5-style mixture (data/mixture.py), each part scored by its own metric
@@ -47,8 +47,11 @@ def text_metrics(task: str, outputs: Sequence[str], references: Sequence[str]) -
   """The task's metric of generated texts against reference texts."""
   if task == "translation":
     score, signature = metrics.bleu(outputs, references)
-    logging.info("sacreBLEU %.2f (%s)", score, signature)
-    return {"bleu": score}
+    chrf, chrf_signature = metrics.chrf(outputs, references)
+    chrf_pp, chrf_pp_signature = metrics.chrf(outputs, references, word_order=2)
+    logging.info("sacreBLEU %.2f (%s), chrF %.2f (%s), chrF++ %.2f (%s)", score, signature,
+                 chrf, chrf_signature, chrf_pp, chrf_pp_signature)
+    return {"bleu": score, "chrf": chrf, "chrf++": chrf_pp}
   if task == "summarization":
     return metrics.rouge(outputs, references)
   if task == "classification":  # multitask: the label name as text

@@ -39,6 +39,23 @@ class _Progress:
 
 
 
+def _encode_by_language(text: prompt_format.TextEncoder, tokenizer, chunk: list[dict]
+                        ) -> tuple[list[list[int]], list[list[int]]]:
+  """(source ids, target ids) of translation examples of several directions: each group of
+  one (source_lang, target_lang) tokenized in one call with those codes."""
+  sources, targets = [None] * len(chunk), [None] * len(chunk)
+  groups: dict[tuple[str, str], list[int]] = {}
+  for i, example in enumerate(chunk):
+    groups.setdefault((example["source_lang"], example["target_lang"]), []).append(i)
+  for (source_lang, target_lang), indices in groups.items():
+    with tokenizer.using_languages(source_lang, target_lang):
+      source_ids, target_ids = text.encode([chunk[i]["source"] for i in indices],
+                                           [chunk[i]["target"] for i in indices])
+    for i, s, t in zip(indices, source_ids, target_ids):
+      sources[i], targets[i] = s, t
+  return sources, targets
+
+
 def encode_examples(family, examples: Iterable[dict], tokenizer: tokenizer_lib.Tokenizer, *,
                     drop_overlong: bool = False, total: int | None = None
                     ) -> tuple[pipeline.Encoded, int]:
@@ -60,6 +77,9 @@ def encode_examples(family, examples: Iterable[dict], tokenizer: tokenizer_lib.T
     if "messages" in chunk[0]:  # whole chat conversations
       sources, source_weights, targets = zip(*(text.encode_conversation(e["messages"])
                                                for e in chunk))
+    elif "target_lang" in chunk[0]:  # many directions: each tagged with its own languages
+      sources, targets = _encode_by_language(text, tokenizer, chunk)
+      source_weights = [None] * len(chunk)
     else:
       sources, targets = text.encode([e["source"] for e in chunk],
                                      [e["target"] for e in chunk] if family.generates_text

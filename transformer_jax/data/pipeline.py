@@ -102,6 +102,15 @@ def with_eos(ids: Sequence[int], max_len: int) -> np.ndarray:
   return np.asarray(list(ids)[:max_len - 1] + [tokenizer_lib.EOS_ID], np.int32)
 
 
+def with_own_end(ids: Sequence[int], max_len: int) -> np.ndarray:
+  """`ids` that end themselves as `X EOS code` (mBART-cc25's language code after EOS), cut
+  to max_len keeping that two-token end."""
+  ids = list(ids)
+  if len(ids) > max_len:
+    ids = ids[:max_len - 2] + ids[-2:]
+  return np.asarray(ids, np.int32)
+
+
 def decoder_only_example(source_ids: Sequence[int], target_ids: Sequence[int],
                          max_len: int) -> tuple[np.ndarray, np.ndarray]:
   """Decoder-only form of a source -> target pair: `SOURCE <eos> TARGET <eos>`, unpadded.

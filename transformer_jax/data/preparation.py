@@ -48,7 +48,7 @@ def workdir_tokenizer(config: ml_collections.ConfigDict, workdir: str):
   checkpoint's tokenizer files)."""
   if config.get("pretrained"):
     from transformer_jax.pretrained import run_config  # pylint: disable=g-import-not-at-top
-    return run_config.saved_tokenizer(workdir)
+    return run_config.saved_tokenizer(workdir, config)
   return tokenizer_lib.Tokenizer.load(workdir_lib.tokenizer_path(workdir))
 
 

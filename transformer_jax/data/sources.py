@@ -90,8 +90,10 @@ def check_dataset(config: ml_collections.ConfigDict, splits: Sequence[str]) -> N
     from transformer_jax.data import tfds_source  # pylint: disable=g-import-not-at-top
     tfds_source.check_installed()
   if config.dataset == "huggingface":
+    from transformer_jax.data import directions  # pylint: disable=g-import-not-at-top
     from transformer_jax.data import hf_source  # pylint: disable=g-import-not-at-top
-    hf_source.check(config, splits)
+    for _, _, one in directions.configs(config):  # each direction's columns
+      hf_source.check(one, splits)
     hf_source.apply_label_names(config)
 
 

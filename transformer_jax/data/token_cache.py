@@ -28,7 +28,7 @@ from transformer_jax.data import pipeline
 MANIFEST = "manifest.json"
 # Config keys that decide which examples a split holds (with the data files themselves).
 DATA_KEYS = ("task", "dataset", "data_dir", "local", "tfds", "huggingface", "demo", "splits",
-             "mixture",
+             "mixture", "directions", "language_codes", "source_lang", "target_lang",
              "data_seed", "label_names", "max_source_length", "max_target_length",
              "overlong", "prompt_format", "prompt_template", "system_prompt")
 

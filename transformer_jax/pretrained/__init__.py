@@ -5,7 +5,9 @@
                  checked against the files, JSON files, nothing unpickled or imported
   chat_template.py  a tokenizer's chat template, checked and rendered in jinja2's sandbox
   architecture.py  what an architecture module offers, and the registry of them (MODEL_TYPES)
-  t5.py, bart.py, marian.py  encoder-decoders: config fields, special ids, weight table
+  t5.py, bart.py, marian.py, m2m_100.py  encoder-decoders: config fields, special ids,
+                 weight table
+  languages.py   multilingual checkpoints' language codes (NLLB, M2M100, mBART-50, cc25)
   bert.py        BERT / RoBERTa / XLM-R classifiers (the same, plus the classification head)
   gpt2.py        GPT-2 as the decoder-only family
   llama.py       Llama 2 / 3, SmolLM2, Mistral, Qwen2 / 2.5 as the decoder-only family

@@ -17,6 +17,7 @@ from transformer_jax.pretrained import bert
 from transformer_jax.pretrained import gemma
 from transformer_jax.pretrained import gpt2
 from transformer_jax.pretrained import llama
+from transformer_jax.pretrained import m2m_100
 from transformer_jax.pretrained import mapping
 from transformer_jax.pretrained import marian
 from transformer_jax.pretrained import t5
@@ -49,7 +50,7 @@ OPTIONAL = {
     "export_config": "(hf, label_names) -> the config.json an export writes",
 }
 
-MODULES: tuple[ModuleType, ...] = (t5, bart, marian, bert, gpt2, llama, gemma)
+MODULES: tuple[ModuleType, ...] = (t5, bart, marian, m2m_100, bert, gpt2, llama, gemma)
 ARCHITECTURES: dict[str, ModuleType] = {
     name: module for module in MODULES for name in module.MODEL_TYPES}
 MODEL_TYPES = tuple(sorted(ARCHITECTURES))

@@ -99,7 +99,8 @@ def weight_table(hf: dict, fields: dict, names=None, *,
     if fields["final_norm"]:
       table += norm_entries((stack, "final_norm"), f"{hf_stack}.layer_norm", bias=True)
   if fields["tie_output"]:
-    table.append(Entry(("logits_bias",), ("final_logits_bias",), "vocab_bias"))
+    if fields["logits_bias"]:  # M2M100 has none
+      table.append(Entry(("logits_bias",), ("final_logits_bias",), "vocab_bias"))
   else:
     table.append(Entry(("logits_dense", "kernel"), (OUTPUT_TENSOR,), "vocab_dense"))
     table.append(Entry(("logits_dense", "bias"), ("final_logits_bias",), "vocab_bias"))

@@ -17,8 +17,10 @@ import ml_collections
 from transformer_jax import default_config
 from transformer_jax import families
 from transformer_jax import workdir as workdir_lib
+from transformer_jax.data import directions as directions_lib
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
 from transformer_jax.pretrained import generation
+from transformer_jax.pretrained import languages as languages_lib
 from transformer_jax.pretrained import tokenizer as tokenizer_lib
 from transformer_jax.pretrained import vocab as vocab_lib
 
@@ -103,6 +105,51 @@ def apply(config: ml_collections.ConfigDict, checkpoint: checkpoint_lib.Checkpoi
         config.decoding.banned_ids = tuple(sorted(set(config.decoding.banned_ids) | set(value)))
       elif key in _TOKEN_DECODING_KEYS and config.decoding[key] == defaults[key]:
         config.decoding[key] = value
+    if not family.continues_prompt:  # the encoder-decoders: the only multilingual ones
+      _apply_languages(config, checkpoint)
+
+
+def _apply_languages(config: ml_collections.ConfigDict,
+                     checkpoint: checkpoint_lib.Checkpoint) -> None:
+  """config.source_lang / target_lang (and a many-direction run's language codes) checked
+  against the checkpoint's language codes, and the target code forced as the first output
+  token (transformers' forced_bos_token_id)."""
+  loaded = tokenizer_lib.PretrainedTokenizer(checkpoint.folder, checkpoint.vocab)
+  source, target = config.get("source_lang", ""), config.get("target_lang", "")
+  try:
+    many = directions_lib.pairs(config)
+    if many and loaded.languages is None:
+      raise ValueError(f"{checkpoint.folder} has no language codes: config.directions needs a "
+                       "multilingual checkpoint (NLLB-200, M2M100, mBART-50).")
+    codes = directions_lib.codes(config)
+    for pair in many:  # every direction's codes known; each row forces its own target code
+      loaded.set_languages(*(codes.get(language, language) for language in pair))
+    if target or not many:
+      loaded.set_languages(source, target)
+  except ValueError as e:
+    raise checkpoint_lib.PretrainedError(str(e)) from None
+  languages = loaded.languages
+  config.code_after_eos = bool(languages and languages.style == languages_lib.SUFFIX)
+  if config.code_after_eos and many:
+    raise checkpoint_lib.PretrainedError(
+        f"The tokenizer of {checkpoint.folder} puts language codes after </s> (mBART-cc25, "
+        "NLLB legacy_behaviour): config.directions is not supported with it; train one "
+        "direction (config.source_lang / target_lang).")
+  apply_target_code(config, loaded)
+
+
+def apply_target_code(config: ml_collections.ConfigDict,
+                      loaded: tokenizer_lib.PretrainedTokenizer) -> None:
+  """Decoding into config.target_lang: its code forced as the first output token, or for
+  mBART-cc25 the decoder's first input (its decoder_start_token_id)."""
+  if loaded.languages is None or not config.get("target_lang"):
+    return
+  code = loaded.code_id(config.target_lang)
+  with config.unlocked():
+    if loaded.languages.decoder_starts_with_code:
+      config.model.bos_id = code
+    else:
+      config.decoding.forced_bos_id = code
 
 
 def _apply_family(config: ml_collections.ConfigDict, checkpoint: checkpoint_lib.Checkpoint,
@@ -176,14 +223,25 @@ def saved(workdir: str) -> bool:
   return (files_dir(workdir) / "config.json").exists()
 
 
-def tokenizer(folder, vocab: vocab_lib.VocabMap) -> tokenizer_lib.PretrainedTokenizer:
-  """The checkpoint's tokenizer; refused where it ends sequences with something other than
-  EOS (mBART-cc25 appends a language code after it), which this pipeline cannot reproduce."""
+def tokenizer(folder, vocab: vocab_lib.VocabMap,
+              config: ml_collections.ConfigDict | None = None
+              ) -> tokenizer_lib.PretrainedTokenizer:
+  """The checkpoint's tokenizer, tagging texts with `config`'s source_lang / target_lang
+  where it has language codes; refused where it ends sequences with something other than
+  EOS or, as mBART-cc25 and NLLB's legacy_behaviour do, EOS and a language code."""
   loaded = tokenizer_lib.PretrainedTokenizer(folder, vocab)
-  if not loaded.ends_with_eos:
+  # A many-direction run without target_lang tags each example with its own (data/features.py).
+  if (config is not None and loaded.languages is not None
+      and (config.get("target_lang") or not directions_lib.pairs(config))):
+    try:
+      loaded.set_languages(config.get("source_lang", ""), config.get("target_lang", ""))
+    except ValueError as e:
+      raise checkpoint_lib.PretrainedError(str(e)) from None
+  suffix = loaded.languages is not None and loaded.languages.style == languages_lib.SUFFIX
+  if not loaded.ends_with_eos and not suffix:
     raise checkpoint_lib.PretrainedError(
-        f"The tokenizer of {folder} does not end sequences with its EOS token (mBART-cc25 "
-        "style language codes); such tokenizers are not supported yet.")
+        f"The tokenizer of {folder} does not end sequences with its EOS token; such "
+        "tokenizers are not supported.")
   return loaded
 
 
@@ -197,5 +255,6 @@ def saved_vocab(workdir: str) -> vocab_lib.VocabMap:
   return checkpoint_lib.vocab_map(saved_json(workdir))
 
 
-def saved_tokenizer(workdir: str) -> tokenizer_lib.PretrainedTokenizer:
-  return tokenizer(files_dir(workdir), saved_vocab(workdir))
+def saved_tokenizer(workdir: str, config: ml_collections.ConfigDict | None = None
+                    ) -> tokenizer_lib.PretrainedTokenizer:
+  return tokenizer(files_dir(workdir), saved_vocab(workdir), config)

@@ -20,6 +20,7 @@ Pad: a checkpoint without a pad token (GPT-2) gets one added past its vocabulary
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -35,6 +36,7 @@ import transformers
 from transformer_jax import workdir as workdir_lib
 from transformer_jax.pretrained import chat_template
 from transformer_jax.pretrained import files
+from transformer_jax.pretrained import languages as languages_lib
 from transformer_jax.pretrained.vocab import VocabMap
 
 # Weight files share a checkpoint folder with the tokenizer files; a bucket load skips them.
@@ -118,6 +120,38 @@ class PretrainedTokenizer:
     # Only a tokenizer that appends its end token has one to strip: GPT-2's appends nothing,
     # and a text ending in a literal "<|endoftext|>" must keep that token.
     self._appends_eos = self._tok("a")["input_ids"][-1:] == [hf_eos]
+    # A multilingual checkpoint's language codes (None: it has none); see `set_languages`.
+    self.languages = languages_lib.of(self._tok)
+    self._code_ids = frozenset(
+        self._to_internal[i] for i in (self.languages.codes.values() if self.languages else ())
+        if i < len(self._to_internal))
+
+  def set_languages(self, source: str, target: str) -> None:
+    """Tags sources with language code `source` (default: the tokenizer's own) and targets
+    with `target`, as transformers' `src_lang` / `tgt_lang` do. ValueError (one line) for a
+    code the checkpoint does not know, or codes given to a tokenizer without them."""
+    languages_lib.check(self.languages, source, target, self._folder)
+    if self.languages is None:
+      return
+    self._tok.src_lang = source or self.languages.default_source
+    self._tok.tgt_lang = target
+    self.__dict__.pop("model_proto", None)  # the saved files now name these languages
+
+  @contextlib.contextmanager
+  def using_languages(self, source: str, target: str):
+    """`set_languages(source, target)` for the duration of a `with` block (one direction of
+    a many-direction run), the languages before it restored after."""
+    before = (self._tok.src_lang, self._tok.tgt_lang)
+    self.set_languages(source, target)
+    try:
+      yield self
+    finally:
+      self._tok.src_lang, self._tok.tgt_lang = before
+      self.__dict__.pop("model_proto", None)
+
+  def code_id(self, code: str) -> int:
+    """The internal id of a language code's token (e.g. the target code decoding forces)."""
+    return self._to_internal[self.languages.id_of(code, "target_lang")]
 
   @property
   def hf_tokenizer(self) -> transformers.PreTrainedTokenizerBase:
@@ -220,6 +254,8 @@ class PretrainedTokenizer:
     ids = [int(i) for i in ids]
     if 1 in ids:
       ids = ids[:ids.index(1)]
+    # Outputs never show a language code (M2M100's are not special tokens to transformers).
+    ids = [i for i in ids if i not in self._code_ids]
     hf_ids = [h for h in self.to_hf([i for i in ids if 0 < i < len(self._to_hf)])
               if h < self._size]
     # Model outputs are target text: Marian must detokenize with its target model, which
