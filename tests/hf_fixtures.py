@@ -584,6 +584,19 @@ def tiny_model(kind: str, folder: str, *, en: list[str] | None = None,
   return folder
 
 
+def folder_maker(tmp_path_factory):
+  """kind -> a tiny checkpoint folder (`tiny_model`), each made on its first use: a test
+  module's fixture returns this."""
+  made = {}
+
+  def get(kind: str) -> str:
+    if kind not in made:
+      made[kind] = tiny_model(kind, str(tmp_path_factory.mktemp(kind)))
+    return made[kind]
+
+  return get
+
+
 def _t5(kind: str, files: TokenizerFiles, generation: dict, labels):
   """T5, mT5, UMT5: (model class, config); the ids are the tokenizer's."""
   del generation, labels

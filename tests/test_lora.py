@@ -38,15 +38,7 @@ TEXTS = ["A man is sleeping on a bench.", "Two dogs run.", "The woman reads a bo
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-  """kind -> a tiny checkpoint folder, made once per module on first use."""
-  made = {}
-
-  def get(kind):
-    if kind not in made:
-      made[kind] = hf_fixtures.tiny_model(kind, str(tmp_path_factory.mktemp(kind)))
-    return made[kind]
-
-  return get
+  return hf_fixtures.folder_maker(tmp_path_factory)
 
 
 def _t5_config(folder: str, data_cache: str, steps: int):

@@ -38,15 +38,7 @@ LENGTH = 24  # tokens per padded row
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-  """kind -> a tiny checkpoint folder, made once per module on first use."""
-  made = {}
-
-  def get(kind):
-    if kind not in made:
-      made[kind] = hf_fixtures.tiny_model(kind, str(tmp_path_factory.mktemp(kind)))
-    return made[kind]
-
-  return get
+  return hf_fixtures.folder_maker(tmp_path_factory)
 
 
 def _texts(kind: str, count: int = 6) -> list[str]:
