@@ -510,7 +510,7 @@ def test_key_value_heads_split_over_the_tensor_axis_when_they_divide_it(tiny_con
     (dict(position_embedding="rope", num_heads=8, qkv_dim=24),
      "'rope' needs an even head dimension"),
     (dict(position_embedding="rotary"), "is not one of sinusoidal, sinusoidal_halves, "
-                                        "learned, relative, rope"),
+                                        "sinusoidal_t2t, learned, relative, rope"),
     (dict(prefix_lm=True), "prefix_lm=True is for config.architecture='decoder_only'"),
 ])
 def test_config_validation_names_bad_options(tiny_config, overrides, message):
