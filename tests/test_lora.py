@@ -18,6 +18,7 @@ from tests import hf_fixtures
 from tests.conftest import make_tiny_config
 from transformer_jax import checkpoints
 from transformer_jax import commands
+from transformer_jax import config_validation
 from transformer_jax import families
 from transformer_jax import layer_decay
 from transformer_jax import lora as lora_lib
@@ -291,14 +292,16 @@ def test_lora_on_an_eight_device_mesh_equals_one_device(folders, tmp_path, data_
 def test_bad_lora_input_is_one_line_with_nothing_written(folders, tmp_path, data_cache):
   t5, llama = folders("t5"), folders("llama")
   workdir = tmp_path / "run"
-  for overrides, message in [
-      (["--config.lora.rank=4", "--config.lora.targets=q_proj"],
-       "config.lora.targets='q_proj' matches no layer"),
-      (["--config.lora.rank=0", "--config.lora.alpha=16"],
-       "config.lora.alpha=16.0 is set but config.lora.rank=0")]:
-    result = cli.run(workdir, f"--config.pretrained={t5}", *overrides, cache=data_cache)
-    assert result.returncode != 0 and message in cli.user_error(result.stderr)
-    assert not workdir.exists()
+  result = cli.run(workdir, f"--config.pretrained={t5}", "--config.lora.rank=4",
+                   "--config.lora.targets=q_proj", cache=data_cache)
+  assert result.returncode != 0 and "config.lora.targets='q_proj' matches no layer" in (
+      cli.user_error(result.stderr))
+  assert not workdir.exists()
+  config = make_tiny_config(data_cache)  # the same checks, in this process
+  config.lora.update(rank=0, alpha=16.0)
+  assert config_validation.problems(config) == [
+      "config.lora.alpha=16.0 is set but config.lora.rank=0 (LoRA off): set config.lora.rank "
+      "> 0 to train adapters, or drop alpha"]
   result = cli.run(workdir, "--mode", "predict", "--adapter", str(tmp_path), cache=data_cache)
   assert "--adapter adds a PEFT adapter to --pretrained" in cli.user_error(result.stderr)
 

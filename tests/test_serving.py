@@ -209,10 +209,13 @@ def test_wrong_routes_for_the_family_and_unknown_paths(seq2seq):
 
 
 def test_sigterm_answers_the_request_in_flight_and_exits_0(seq2seq):
+  # This module's server has logged earlier requests: wait for this one's line.
+  received = lambda: seq2seq.process.output()[1].count("Received request")
+  before = received()
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
     pending = pool.submit(seq2seq.post, "/v1/completions",
                           {"prompt": TEXTS, "max_tokens": 28, "n": 8, "temperature": 1})
-    cli.wait_for(lambda: "Received request" in seq2seq.process.output()[1], seq2seq.process)
+    cli.wait_for(lambda: received() > before, seq2seq.process)
     code, _, stderr, _ = cli.stop(seq2seq.process, signal.SIGTERM)
     status, answer = pending.result()
   assert code == 0, stderr[-3000:]
