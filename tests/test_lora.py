@@ -90,7 +90,7 @@ def test_adapters_start_as_the_base(kind, config_update, folders, data_cache):
   run_config.apply(config, checkpoint)
   adapted, base = families.get(config), families.get(lora_lib.without(config))
   params = checkpoint_lib.read_params(checkpoint)
-  adapters = lora_lib.adapters(adapted.init_params(jax.random.PRNGKey(1)))
+  adapters, _ = lora_lib.split(adapted.init_params(jax.random.PRNGKey(1)))
   inputs = _model_inputs(base)
   ours = adapted.model.apply({"params": lora_lib.combine(adapters, params)}, *inputs,
                              deterministic=True)

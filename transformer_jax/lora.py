@@ -105,13 +105,19 @@ class Adapter(nn.Module):
       return jnp.tensordot(low, b, axes=1)  # [..., *out]
     # One update per part: [..., parts, rank] x [parts, rank, h * d] -> [..., parts, h, d].
     update = jnp.einsum("...pr,prz->...pz", low, b.reshape(len(parts), rank, -1))
-    update = update.reshape(*low.shape[:-1], *self.out_shape)
-    total = len(PROJECTION_TARGETS[self.projection])
-    if len(parts) == total:
-      return update
-    zeros = jnp.zeros_like(update[..., 0, :, :])
-    slots = [update[..., parts.index(p), :, :] if p in parts else zeros for p in range(total)]
-    return jnp.stack(slots, axis=-3)
+    return _all_parts(update.reshape(*low.shape[:-1], *self.out_shape), self.projection,
+                      parts)
+
+
+def _all_parts(per_part: Array, projection: str, parts: tuple[int, ...]) -> Array:
+  """[..., len(parts), h, d] updates of the targeted `parts` -> [..., all parts, h, d] of the
+  fused kernel, zero for the parts not adapted."""
+  total = len(PROJECTION_TARGETS[projection])
+  if len(parts) == total:
+    return per_part
+  zeros = jnp.zeros_like(per_part[..., 0, :, :])
+  return jnp.stack([per_part[..., parts.index(p), :, :] if p in parts else zeros
+                    for p in range(total)], axis=-3)
 
 
 def adapted(module: nn.Module, lora: LoraSpec | None, projection: str, x: Array,
@@ -142,15 +148,8 @@ def split(params: dict, trained_in_full: tuple[str, ...] = ()) -> tuple[dict, di
 
 
 def drop_adapters(params: Any) -> Any:
-  """`params` (nested dicts, boxed or not) without the adapters."""
-  flat = traverse_util.flatten_dict(params)
-  return traverse_util.unflatten_dict({p: v for p, v in flat.items() if not is_adapter(p)})
-
-
-def adapters(params: Any) -> Any:
-  """The adapters of `params` alone."""
-  flat = traverse_util.flatten_dict(params)
-  return traverse_util.unflatten_dict({p: v for p, v in flat.items() if is_adapter(p)})
+  """`params` (nested dicts, boxed or not) without the adapters: `split`'s frozen half."""
+  return split(params)[1]
 
 
 def state_params(state) -> dict:
@@ -192,13 +191,9 @@ def update(a: Array, b: Array, lora: LoraSpec, projection: str) -> Array:
   """The kernel-shaped update scale * a b of one adapter."""
   if projection not in FUSED:
     return lora.scale * jnp.tensordot(a, b, axes=1)
-  parts = targeted_parts(lora, projection)
-  # [emb, parts, r] x [parts, r, h, d] -> [emb, parts, h, d], zero for the parts not adapted.
-  per_part = lora.scale * jnp.einsum("epr,prhd->ephd", a, b)
-  total = len(PROJECTION_TARGETS[projection])
-  zeros = jnp.zeros_like(per_part[:, 0])
-  return jnp.stack([per_part[:, parts.index(p)] if p in parts else zeros
-                    for p in range(total)], axis=1)
+  # [emb, parts, r] x [parts, r, h, d] -> [emb, parts, h, d].
+  return _all_parts(lora.scale * jnp.einsum("epr,prhd->ephd", a, b), projection,
+                    targeted_parts(lora, projection))
 
 
 def without(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
