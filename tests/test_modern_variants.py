@@ -480,7 +480,8 @@ def test_cache_holds_only_the_key_value_heads():
   encoded = family.model.apply({"params": params}, inputs, deterministic=True,
                                method=family.model.encode)
   encoded_kv = family.encoded_key_value(params, encoded, inputs)
-  assert encoded_kv["decoder"]["layer_0"]["cross_attention"]["key"].shape == (1, 2, 6, 4)
+  # [b, n, d, src]: the layout the score and value matmuls read (attention._keys_last)
+  assert encoded_kv["decoder"]["layer_0"]["cross_attention"]["key"].shape == (1, 2, 4, 6)
   family = families.from_model_config("decoder_only", SMALL.replace(
       **VARIANTS["rope_mqa_swiglu"]))
   layer = family.init_cache(3, 9)["decoder"]["layer_1"]["self_attention"]

@@ -181,7 +181,10 @@ class EncoderDecoder(family_base.SequenceFamily):
     _, variables = model.apply({"params": params, "cache": cache}, encoded, source, first,
                                deterministic=True, decode=True, mutable=["cache", "encoded_kv"],
                                method=model.decode)
-    return variables["encoded_kv"]
+    # The barrier keeps them computed here, in the layout attention.py stores them in: XLA
+    # would otherwise sink the transposes into the decoding loop, a copy of every layer's
+    # keys and values per step.
+    return jax.lax.optimization_barrier(variables["encoded_kv"])
 
   def cached_tokens_to_logits(self, params, encoded: Array, source: Array):
     """The decoding callback: next-token logits [n, vocab] from the decoder's KV cache, for

@@ -11,7 +11,6 @@ configured batch), not the whole configured batch. Evaluation and predict both u
 from __future__ import annotations
 
 import collections
-import functools
 import json
 from typing import Any, Sequence
 
@@ -151,17 +150,27 @@ def batch_bucket(count: int, batch_size: int, devices: int) -> int:
   return min(rows, batch_size)
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _fold_rows(key: Array, batch_index: int, rows: int) -> Array:
-  batch_key = jax.random.fold_in(key, batch_index)
-  return jax.vmap(lambda row: jax.random.fold_in(batch_key, row))(jnp.arange(rows))
+@jax.jit
+def _fold_pairs(key: Array, batches: Array, rows: Array) -> Array:
+  return jax.vmap(lambda batch, row: jax.random.fold_in(jax.random.fold_in(key, batch), row))(
+      batches, rows)
 
 
 def row_keys(seed: int, batch_index: int, rows: int) -> np.ndarray:
   """A sampling key per row of batch `batch_index` of a call: fold_in(fold_in(seed, batch),
   row). A row's samples depend on its input and position alone, not on how many rows the
   batch was padded to or which device decodes it."""
-  return np.asarray(_fold_rows(jax.random.PRNGKey(seed), batch_index, rows))
+  return input_keys(seed, range(batch_index * rows, (batch_index + 1) * rows), rows, rows)
+
+
+def input_keys(seed: int, indices: Sequence[int], rows: int, batch_size: int) -> np.ndarray:
+  """Sampling keys for a batch of `rows` holding the call's inputs `indices` (then padding):
+  input i samples with fold_in(fold_in(seed, i // batch_size), i % batch_size), the key of
+  its place in the call, whichever batch and row it is decoded in."""
+  places = list(indices) + [0] * (rows - len(indices))  # padding rows: any key (dropped)
+  places = np.asarray(places, np.int32)
+  return np.asarray(_fold_pairs(jax.random.PRNGKey(seed), places // batch_size,
+                                places % batch_size))
 
 
 def bucket_length(num_tokens: int, max_len: int) -> int:
@@ -176,32 +185,30 @@ def generate_ids(p_decode, device_params, prompts: Sequence[np.ndarray], max_len
                  batch_size: int, seed: int = 0, layout=None
                  ) -> list[tuple[np.ndarray, np.ndarray]]:
   """(output ids [nbest, len], scores [nbest]) for token sequences of any length (EOS
-  included), in order. Grouped into length buckets so short ones are not padded to the
-  longest, and a bucket's batches padded only to its batch bucket; row r of batch k of the
-  whole call samples with key fold_in(fold_in(seed, k), r), so no two rows share random
-  numbers."""
+  included), in order.
+
+  The prompts are sorted by length and decoded in batches of up to `batch_size` consecutive
+  ones, each padded to the length bucket of its longest: a call that fits in one batch is one
+  decode, as in transformers' `generate` (one decode per length bucket instead cost a call of
+  32 mixed-length sentences four loops of 32 steps; benchmarks/RESULTS.md, issue #42), and a
+  long evaluation pads each prompt little. Every batch of a call has the same rows, the
+  batch bucket of the call's size (one program per length bucket). Each input samples with
+  the key of its place in the call (`input_keys`), so no two share random numbers."""
   layout = layout or parallel.DataParallel()
-  buckets: dict[int, list[int]] = {}
-  for i, ids in enumerate(prompts):
-    buckets.setdefault(bucket_length(len(ids), max_len), []).append(i)
+  order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+  rows = batch_bucket(min(len(prompts), batch_size), batch_size, layout.eval_devices)
   outputs: list = [None] * len(prompts)
-  batch_index = 0
-  for length, indices in sorted(buckets.items()):
-    # Bucketed shapes: one compile per (length, rows) bucket, whatever the call's size. A
-    # length bucket of more than one batch (an evaluation) decodes its last, partial batch
-    # at the full size too: one program per length, where a smaller one would cost a compile.
-    rows = batch_bucket(min(len(indices), batch_size), batch_size, layout.eval_devices)
-    for start in range(0, len(indices), batch_size):
-      chosen = indices[start:start + batch_size]
-      sources = np.zeros((rows, length), np.int32)
-      for row, i in enumerate(chosen):
-        sources[row, :len(prompts[i])] = prompts[i]
-      keys = row_keys(seed, batch_index, rows)
-      batch_index += 1
-      tokens, scores = layout.host_rows(p_decode(device_params, layout.eval_batch(sources),
-                                                 layout.eval_batch(keys)))
-      for row, i in enumerate(chosen):
-        outputs[i] = (tokens[row], scores[row])
+  for start in range(0, len(order), batch_size):
+    chosen = order[start:start + batch_size]
+    length = bucket_length(len(prompts[chosen[-1]]), max_len)  # the longest is last
+    sources = np.zeros((rows, length), np.int32)
+    for row, i in enumerate(chosen):
+      sources[row, :len(prompts[i])] = prompts[i]
+    keys = input_keys(seed, chosen, rows, batch_size)
+    tokens, scores = layout.host_rows(p_decode(device_params, layout.eval_batch(sources),
+                                               layout.eval_batch(keys)))
+    for row, i in enumerate(chosen):
+      outputs[i] = (tokens[row], scores[row])
   return outputs
 
 
