@@ -474,18 +474,18 @@ def test_cache_holds_only_the_key_value_heads():
   family = families.from_model_config("encoder_decoder", SMALL.replace(num_kv_heads=2))
   cache = family.init_cache(3, 6, 9)
   layer = cache["decoder"]["layer_0"]["self_attention"]
-  assert layer["cached_key"].shape == layer["cached_value"].shape == (3, 2, 9, 4)  # [b, n, len, d]
+  # [b, n, d, len]: the layout the score and value matmuls read (attention._keys_last)
+  assert layer["cached_key"].shape == layer["cached_value"].shape == (3, 2, 4, 9)
   params = family.init_params(jax.random.PRNGKey(0))
   inputs = jnp.array([[5, 9, 12, 1, 0, 0]])
   encoded = family.model.apply({"params": params}, inputs, deterministic=True,
                                method=family.model.encode)
   encoded_kv = family.encoded_key_value(params, encoded, inputs)
-  # [b, n, d, src]: the layout the score and value matmuls read (attention._keys_last)
   assert encoded_kv["decoder"]["layer_0"]["cross_attention"]["key"].shape == (1, 2, 4, 6)
   family = families.from_model_config("decoder_only", SMALL.replace(
       **VARIANTS["rope_mqa_swiglu"]))
   layer = family.init_cache(3, 9)["decoder"]["layer_1"]["self_attention"]
-  assert layer["cached_key"].shape == (3, 1, 9, 4)
+  assert layer["cached_key"].shape == (3, 1, 4, 9)
 
 
 def test_key_value_heads_split_over_the_tensor_axis_when_they_divide_it(tiny_config):

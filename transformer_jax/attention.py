@@ -200,18 +200,12 @@ def fused_attention(query: Array, key: Array, value: Array, mask: Array | None,
   return jnp.where(empty[:, 0, :, None, None], mean, out)  # [b, q, h, d]
 
 
-def _heads_major(x: Array) -> Array:
-  """[b, len, h, d] <-> [b, h, len, d]. Decoding keeps keys and values heads-major, the layout
-  the score and value matmuls read, so a step does not transpose them all (measured in
-  benchmarks/RESULTS.md)."""
-  return jnp.swapaxes(x, 1, 2)
-
-
 def _keys_last(x: Array) -> Array:
-  """[b, k, n, d] -> [b, n, d, k]: the layout in which XLA:CPU's score and value matmuls read
-  the source's keys and values. Kept so, a decoding step reads them as they are; kept as
-  [b, k, n, d], each step copied every layer's into it (issue #42: half a t5-small step at
-  batch 32)."""
+  """[b, k, n, d] -> [b, n, d, k]: how decoding keeps keys and values (the self-attention
+  cache and the source's cross-attention ones), the layout XLA:CPU's score and value matmuls
+  read them in. Kept [b, k, n, d] or heads-major [b, n, k, d], each decoding step copied
+  every layer's into it: at batch 1 a third of a GPT-2-size step, at batch 32 half of a
+  t5-small-size one (issue #42, benchmarks/RESULTS.md)."""
   return jnp.transpose(x, (0, 2, 3, 1))
 
 
@@ -230,7 +224,7 @@ class MultiHeadAttention(nn.Module):
   the 'intermediates' collection (see `models.attention_weights`).
 
   In decode mode self-attention keys and values are kept in a 'cache' collection of shape
-  [b, n, max_len, d] (heads-major; n = the key/value heads): a call with m new tokens writes
+  [b, n, d, max_len] (`_keys_last`; n = the key/value heads): a call with m new tokens writes
   them at `cache_index` and attends causally over everything written so far, so a prefix is
   filled in one call and then extended one token per call. The cache is created by an `init`
   in decode mode on inputs of the full decode length. Cross-attention keys/values are
@@ -438,23 +432,23 @@ class MultiHeadAttention(nn.Module):
     """Writes the new keys/values into the cache; returns all cached ones and their mask
     (causal over the new tokens, or with `prefix_fill` every slot written so far)."""
     initialized = self.has_variable("cache", "cached_key")
-    shape = _heads_major(key).shape
+    shape = _keys_last(key).shape
     cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, key.dtype)
     cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, value.dtype)
     cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
     if not initialized:  # the init pass only creates the cache
       return key, value, mask
-    num_new, max_len = key.shape[1], cached_key.value.shape[2]
+    num_new, max_len = key.shape[1], cached_key.value.shape[3]
     index = cache_index.value
-    cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, _heads_major(key),
-                                                    (0, 0, index, 0))
-    cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, _heads_major(value),
-                                                      (0, 0, index, 0))
+    cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, _keys_last(key),
+                                                    (0, 0, 0, index))
+    cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, _keys_last(value),
+                                                      (0, 0, 0, index))
     cache_index.value = index + num_new
     # New token i (at absolute position index + i) sees cached positions <= index + i.
     query_positions = index + jnp.arange(num_new)[:, None]  # [q, 1]
     if prefix_fill:
       query_positions = jnp.full_like(query_positions, index + num_new - 1)
     visible = jnp.arange(max_len)[None, :] <= query_positions  # [q, max_len]
-    return (_heads_major(cached_key.value), _heads_major(cached_value.value),
+    return (_from_keys_last(cached_key.value), _from_keys_last(cached_value.value),
             combine_masks(visible[None, None], mask))
