@@ -129,12 +129,11 @@ def _apply_languages(config: ml_collections.ConfigDict,
   except ValueError as e:
     raise checkpoint_lib.PretrainedError(str(e)) from None
   languages = loaded.languages
-  config.code_after_eos = bool(languages and languages.style == languages_lib.SUFFIX)
-  if config.code_after_eos and many:
-    raise checkpoint_lib.PretrainedError(
-        f"The tokenizer of {checkpoint.folder} puts language codes after </s> (mBART-cc25, "
-        "NLLB legacy_behaviour): config.directions is not supported with it; train one "
-        "direction (config.source_lang / target_lang).")
+  with config.unlocked():
+    config.code_after_eos = bool(languages and languages.style == languages_lib.SUFFIX)
+    # mBART-cc25: each target `X </s> [code]` starts the decoder from its own code, so that a
+    # batch may mix target languages (transformers' shift_tokens_right for mBART).
+    config.model.start_from_last_target = bool(languages and languages.decoder_starts_with_code)
   apply_target_code(config, loaded)
 
 
