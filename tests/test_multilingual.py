@@ -38,6 +38,7 @@ from transformer_jax.data import directions
 from transformer_jax.data import features
 from transformer_jax.data import pipeline
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
+from transformer_jax.pretrained import run_config
 from transformer_jax.pretrained import tokenizer as tokenizer_lib
 
 torch = pytest.importorskip("torch")
@@ -258,10 +259,13 @@ def test_greedy_equals_generate_in_both_directions(built, texts, tmp_path, monke
   Predictor.from_pretrained it makes (ids), against generate(forced_bos_token_id=<target
   code>); mBART-cc25's decoder starts from the target code instead (decoder_start_token_id).
   The Predictor the command makes is kept to compare ids: one compilation per direction."""
-  made = []
-  from_pretrained = predict.Predictor.from_pretrained.__func__
-  monkeypatch.setattr(predict.Predictor, "from_pretrained", classmethod(
-      lambda cls, *args, **kwargs: made.append(from_pretrained(cls, *args, **kwargs)) or made[-1]))
+  made, from_pretrained = [], predict.Predictor.from_pretrained.__func__
+
+  def recorded(cls, *args, **kwargs):  # the real one, its Predictor kept
+    made.append(from_pretrained(cls, *args, **kwargs))
+    return made[-1]
+
+  monkeypatch.setattr(predict.Predictor, "from_pretrained", classmethod(recorded))
   b = built[kind]
   en, vi = _short(texts, 4, start=330, tok=built["nllb"].hf_tokenizer)
   vocab = b.checkpoint.vocab
@@ -411,6 +415,26 @@ def test_a_mixed_batch_decodes_each_row_as_alone(built, texts, kind):
         labels=torch.tensor(np.where(targets != 0, vocab.hf(targets), -100))).logits.numpy()
   valid = targets != 0
   np.testing.assert_allclose(ours[valid], reference[..., vocab.to_hf][valid], atol=1e-4, rtol=0)
+
+
+def test_the_files_a_run_keeps_and_exports_keep_the_language_codes(built, texts, tmp_path):
+  """What a fine-tuning run copies into WORKDIR/pretrained/ and an export writes back, for
+  every kind (a run fine-tuning NLLB exports below): transformers reloads the same tokenizer,
+  legacy_behaviour included, with the same codes and ids in both directions."""
+  en, vi = texts[0][300:310], texts[1][300:310]
+  for kind, b in built.items():
+    workdir = str(tmp_path / kind)
+    run_config.save_files(b.checkpoint, workdir)
+    for source, target in (CODES[kind], CODES[kind][::-1]):
+      theirs = _hf_tokenizer(b, source, target)
+      reloaded = transformers.AutoTokenizer.from_pretrained(
+          str(run_config.files_dir(workdir)), src_lang=source, tgt_lang=target)
+      assert type(reloaded) is type(theirs)
+      assert getattr(reloaded, "legacy_behaviour", None) == getattr(theirs, "legacy_behaviour",
+                                                                   None)
+      sources, targets = (en, vi) if source == CODES[kind][0] else (vi, en)
+      ours, expected = (tok(sources, text_target=targets) for tok in (reloaded, theirs))
+      assert (ours["input_ids"], ours["labels"]) == (expected["input_ids"], expected["labels"])
 
 
 def _parallel_folder(folder) -> str | None:

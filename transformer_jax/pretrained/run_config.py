@@ -236,8 +236,9 @@ def tokenizer(folder, vocab: vocab_lib.VocabMap,
       loaded.set_languages(config.get("source_lang", ""), config.get("target_lang", ""))
     except ValueError as e:
       raise checkpoint_lib.PretrainedError(str(e)) from None
-  suffix = loaded.languages is not None and loaded.languages.style == languages_lib.SUFFIX
-  if not loaded.ends_with_eos and not suffix:
+  # A multilingual tokenizer ends as its kind says (`X </s>`, or `X </s> [code]`), and may
+  # not end a target at all before it is given a target language (M2M100's tgt_lang=None).
+  if loaded.languages is None and not loaded.ends_with_eos:
     raise checkpoint_lib.PretrainedError(
         f"The tokenizer of {folder} does not end sequences with its EOS token; such "
         "tokenizers are not supported.")
