@@ -323,12 +323,26 @@ def test_an_unknown_code_is_one_line_naming_close_matches(built, tmp_path):
   assert not output.exists()
 
 
-def test_a_missing_target_code_is_one_line(built):
+def _refused_before_training(folder: str, config, tmp_path) -> str:
+  """The error of fine-tuning `folder` with `config`, which must come before anything is
+  written."""
+  from transformer_jax import train  # pylint: disable=import-outside-toplevel
+  config.pretrained, workdir = folder, tmp_path / "refused"
   with pytest.raises(checkpoint_lib.PretrainedError) as raised:
-    predict.Predictor.from_pretrained(built["m2m100"].folder, _serving_config("en", ""))
-  assert str(raised.value) == (
+    train.train_and_evaluate(config, str(workdir))
+  assert not workdir.exists()
+  return str(raised.value)
+
+
+def test_a_missing_target_code_is_one_line(built, tmp_path):
+  expected = (
       f"{built['m2m100'].folder} is a multilingual checkpoint: set the language to translate "
       "into, --config.target_lang=CODE (e.g. vi; and --config.source_lang for the source).")
+  with pytest.raises(checkpoint_lib.PretrainedError) as raised:
+    predict.Predictor.from_pretrained(built["m2m100"].folder, _serving_config("en", ""))
+  assert str(raised.value) == expected
+  assert _refused_before_training(built["m2m100"].folder, _serving_config("en", ""),
+                                  tmp_path) == expected
 
 
 def test_codes_for_a_checkpoint_without_them_are_refused(tmp_path):
@@ -336,6 +350,8 @@ def test_codes_for_a_checkpoint_without_them_are_refused(tmp_path):
   with pytest.raises(checkpoint_lib.PretrainedError, match="has no language codes: drop "
                      "config.source_lang / config.target_lang"):
     predict.Predictor.from_pretrained(folder, _serving_config("", "vi"))
+  assert "has no language codes: drop config.source_lang" in _refused_before_training(
+      folder, _serving_config("", "vi"), tmp_path)
   config = _serving_config("", "")
   config.directions = "en-vi,vi-en"
   with pytest.raises(checkpoint_lib.PretrainedError, match="has no language codes: "
