@@ -1,12 +1,14 @@
-"""Multilingual checkpoints against transformers: M2M100 / NLLB-200 (`m2m_100`) and mBART-50.
+"""Multilingual checkpoints against transformers: M2M100 / NLLB-200 (`m2m_100`, NLLB also with
+`legacy_behaviour`) and mBART-50 / mBART-cc25.
 
 Tiny tokenizers are trained here on English and Vietnamese sentences and saved by transformers
-as NLLB's, M2M100's and mBART-50's files (with their language codes); tiny random models are
-written by transformers beside them. The tokenizer's ids with config.source_lang /
-target_lang equal transformers' with src_lang / tgt_lang; teacher-forced logits equal
-PyTorch's on padded batches; greedy outputs equal `generate(forced_bos_token_id=<target
-code>)` in both directions, through `Predictor.from_pretrained` and `--mode predict
---pretrained`; wrong language settings are one line.
+as NLLB's, M2M100's and mBART's files (with their language codes); tiny random models are
+written by transformers beside them. For every kind: the tokenizer's ids with
+config.source_lang / target_lang equal transformers' with src_lang / tgt_lang; teacher-forced
+logits equal PyTorch's on padded batches; greedy outputs equal `generate(forced_bos_token_id=
+<target code>)` (cc25: the decoder starting from it) in both directions, through `--mode
+predict --pretrained` and `Predictor.from_pretrained`. Batches mixing directions decode each
+row as alone and train as transformers does; wrong language settings are one line.
 """
 
 from __future__ import annotations
@@ -239,17 +241,22 @@ def _main_in_process(args: list[str], monkeypatch) -> None:
   from transformer_jax import main  # pylint: disable=import-outside-toplevel
   argv = ["transformer_jax.main", *args]
   monkeypatch.setattr(sys, "argv", argv)  # config_flags reads its overrides there
-  # Each parse registers a flag per --config.KEY override: the last command's go first.
-  for name in [name for name in flags.FLAGS if name.startswith("config.")]:
-    delattr(flags.FLAGS, name)
-  handler = logging.get_absl_handler()
+  handler, was_parsed = logging.get_absl_handler(), flags.FLAGS.is_parsed()
   filters = list(handler.filters)
-  flags.FLAGS.unparse_flags()
+
+  def forget_flags():  # a parse registers a flag per --config.KEY override
+    for name in [name for name in flags.FLAGS if name.startswith("config.")]:
+      delattr(flags.FLAGS, name)
+    flags.FLAGS.unparse_flags()
+
+  forget_flags()
   try:
     main.parse_flags(argv)
     main.main(argv[:1])
   finally:
-    flags.FLAGS.unparse_flags()
+    forget_flags()
+    if was_parsed:
+      flags.FLAGS.mark_as_parsed()
     handler.filters[:] = filters  # main's log filter reads the flags
 
 
