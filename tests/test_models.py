@@ -34,6 +34,16 @@ def test_shift_right_restarts_each_packed_segment():
   np.testing.assert_array_equal(models.shift_right(targets, 2, segments), [[2, 5, 6, 2, 8, 0]])
 
 
+def test_shift_right_can_start_each_target_from_its_last_token():
+  # mBART-cc25's `X </s> [code]` targets start from their code (mBART's shift_tokens_right).
+  targets = jnp.array([[5, 6, 1, 250, 0, 0], [7, 1, 251, 8, 1, 250]])
+  np.testing.assert_array_equal(models.shift_right(targets, 2, start_from_last=True),
+                                [[250, 5, 6, 1, 0, 0], [250, 7, 1, 251, 8, 1]])
+  segments = jnp.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 2, 2, 2]])  # packed: per segment
+  np.testing.assert_array_equal(models.shift_right(targets, 2, segments, start_from_last=True),
+                                [[250, 5, 6, 1, 0, 0], [251, 7, 1, 250, 8, 1]])
+
+
 @pytest.mark.parametrize("pre_ln", [False, True])
 def test_cached_decoding_equals_full_forward(pre_ln):
   config = CONFIG.replace(pre_ln=pre_ln)

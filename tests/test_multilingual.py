@@ -1,12 +1,14 @@
-"""Multilingual checkpoints against transformers: M2M100 / NLLB-200 (`m2m_100`) and mBART-50.
+"""Multilingual checkpoints against transformers: M2M100 / NLLB-200 (`m2m_100`, NLLB also with
+`legacy_behaviour`) and mBART-50 / mBART-cc25.
 
 Tiny tokenizers are trained here on English and Vietnamese sentences and saved by transformers
-as NLLB's, M2M100's and mBART-50's files (with their language codes); tiny random models are
-written by transformers beside them. The tokenizer's ids with config.source_lang /
-target_lang equal transformers' with src_lang / tgt_lang; teacher-forced logits equal
-PyTorch's on padded batches; greedy outputs equal `generate(forced_bos_token_id=<target
-code>)` in both directions, through `Predictor.from_pretrained` and `--mode predict
---pretrained`; wrong language settings are one line.
+as NLLB's, M2M100's and mBART's files (with their language codes); tiny random models are
+written by transformers beside them. For every kind: the tokenizer's ids with
+config.source_lang / target_lang equal transformers' with src_lang / tgt_lang; teacher-forced
+logits equal PyTorch's on padded batches; greedy outputs equal `generate(forced_bos_token_id=
+<target code>)` (cc25: the decoder starting from it) in both directions, through `--mode
+predict --pretrained` and `Predictor.from_pretrained`. Batches mixing directions decode each
+row as alone and train as transformers does; wrong language settings are one line.
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ from transformer_jax import models
 from transformer_jax import predict
 from transformer_jax import workdir as workdir_lib
 from transformer_jax.data import directions
+from transformer_jax.data import features
 from transformer_jax.data import pipeline
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
+from transformer_jax.pretrained import run_config
 from transformer_jax.pretrained import tokenizer as tokenizer_lib
 
 torch = pytest.importorskip("torch")
@@ -160,9 +164,13 @@ def _ended(kind: str, ids: list[int], max_len: int = 512) -> np.ndarray:
 
 
 def _padded(kind: str, rows: list[list[int]], extra: int = 0) -> np.ndarray:
-  ended = [_ended(kind, r) for r in rows]
-  length = max(len(r) for r in ended) + extra
-  return np.stack([np.pad(r, (0, length - len(r))) for r in ended])
+  return _stacked([_ended(kind, r) for r in rows], extra)
+
+
+def _stacked(rows, extra: int = 0) -> np.ndarray:
+  """Rows padded to the longest + `extra`."""
+  length = max(len(r) for r in rows) + extra
+  return np.stack([np.pad(r, (0, length - len(r))) for r in rows])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -218,38 +226,79 @@ def _hf_generate(b: Built, sentences: list[str], source: str, target: str) -> li
   return out, tok
 
 
-# One direction per kind here, the directions alternating. NLLB's: both in the mixed batch
-# below (through Predictor.from_pretrained, each row against generate) and vi -> en through
-# the command line.
-GREEDY_DIRECTIONS = {"m2m100": "vi-en", "mbart50": "en-vi", "nllb_legacy": "vi-en",
-                     "cc25": "en-vi"}
+def _generated_texts(out, tok) -> list[str]:
+  """generate's rows as text, the decoder start and the codes left out."""
+  return [tok.decode([i for i in row[1:] if i not in tok.all_special_ids and i < len(tok)],
+                     skip_special_tokens=True) for row in out.numpy()]
 
 
-@pytest.mark.parametrize("kind", sorted(GREEDY_DIRECTIONS))
-def test_greedy_equals_generate_with_forced_target_code(built, texts, kind):
+def _main_in_process(args: list[str], monkeypatch) -> None:
+  """`python -m transformer_jax.main ARGS` through main's own flag parsing and entry, in this
+  process: a process per checkpoint and direction would cost seconds of imports each (one real
+  process: test_predict_cli_equals_generate)."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  from absl import logging  # pylint: disable=import-outside-toplevel
+  from transformer_jax import main  # pylint: disable=import-outside-toplevel
+  argv = ["transformer_jax.main", *args]
+  monkeypatch.setattr(sys, "argv", argv)  # config_flags reads its overrides there
+  handler, was_parsed = logging.get_absl_handler(), flags.FLAGS.is_parsed()
+  filters = list(handler.filters)
+
+  def forget_flags():  # a parse registers a flag per --config.KEY override
+    for name in [name for name in flags.FLAGS if name.startswith("config.")]:
+      delattr(flags.FLAGS, name)
+    flags.FLAGS.unparse_flags()
+
+  forget_flags()
+  try:
+    main.parse_flags(argv)
+    main.main(argv[:1])
+  finally:
+    forget_flags()
+    if was_parsed:
+      flags.FLAGS.mark_as_parsed()
+    handler.filters[:] = filters  # main's log filter reads the flags
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_equals_generate_in_both_directions(built, texts, tmp_path, monkeypatch, kind):
+  """Each direction through `--mode predict --pretrained` (its output file) and the
+  Predictor.from_pretrained it makes (ids), against generate(forced_bos_token_id=<target
+  code>); mBART-cc25's decoder starts from the target code instead (decoder_start_token_id).
+  The Predictor the command makes is kept to compare ids: one compilation per direction."""
+  made, from_pretrained = [], predict.Predictor.from_pretrained.__func__
+
+  def recorded(cls, *args, **kwargs):  # the real one, its Predictor kept
+    made.append(from_pretrained(cls, *args, **kwargs))
+    return made[-1]
+
+  monkeypatch.setattr(predict.Predictor, "from_pretrained", classmethod(recorded))
   b = built[kind]
-  en, vi = _short(texts, 6, start=330, tok=built["nllb"].hf_tokenizer)
-  reverse = GREEDY_DIRECTIONS[kind] == "vi-en"
-  for source, target in [CODES[kind][::-1] if reverse else CODES[kind]]:
-    sentences = vi if reverse else en
-    predictor = predict.Predictor.from_pretrained(b.folder, _serving_config(source, target))
+  en, vi = _short(texts, 4, start=330, tok=built["nllb"].hf_tokenizer)
+  vocab = b.checkpoint.vocab
+  for (source, target), sentences in ((CODES[kind], en), (CODES[kind][::-1], vi)):
     out, tok = _hf_generate(b, sentences, source, target)
-    vocab = b.checkpoint.vocab
+    reference = _generated_texts(out, tok)
+    assert not any(target in t or f"__{target}__" in t for t in reference)
+    source_file, output = tmp_path / f"{source}.txt", tmp_path / f"{source}.out"
+    source_file.write_text("\n".join(sentences) + "\n", encoding="utf-8")
+    _main_in_process(["--pretrained", b.folder, "--mode", "predict", "--input",
+                      str(source_file), "--output", str(output),
+                      f"--config.source_lang={source}", f"--config.target_lang={target}",
+                      "--config.decoding.method=greedy",
+                      f"--config.decoding.max_decode_len={NEW_TOKENS}"], monkeypatch)
+    assert output.read_text(encoding="utf-8").splitlines() == reference
+
+    predictor = made.pop()
+    assert (predictor.config.source_lang, predictor.config.target_lang) == (source, target)
     prompts = list(predictor._prompts(sentences).values())  # pylint: disable=protected-access
-    ours = predictor.output_ids(prompts)
-    for row, ids in zip(out.numpy(), ours):
+    for row, ids in zip(out.numpy(), predictor.output_ids(prompts)):
       expected = [int(i) for i in row[1:] if i != tok.pad_token_id]
       got = [int(i) for i in vocab.hf(ids)]
-      got = got[:got.index(2) + 1] if 2 in got else got
-      assert got == expected
+      assert got[:got.index(2) + 1 if 2 in got else None] == expected
       if kind != "cc25":  # the target code first (cc25's decoder starts from it)
-        assert got[0] == expected[0] == (tok.convert_tokens_to_ids(target)
-                                         if kind != "m2m100" else tok.get_lang_id(target))
-    texts_out = predictor.predict(sentences)
-    reference = [tok.decode([i for i in row[1:] if i not in tok.all_special_ids
-                             and i < len(tok)], skip_special_tokens=True) for row in out.numpy()]
-    assert texts_out == reference
-    assert not any(target in t or f"__{target}__" in t for t in texts_out)
+        assert got[0] == (tok.get_lang_id(target) if kind == "m2m100" else
+                          tok.convert_tokens_to_ids(target))
 
 
 def test_predict_cli_equals_generate(built, texts, tmp_path):
@@ -281,12 +330,26 @@ def test_an_unknown_code_is_one_line_naming_close_matches(built, tmp_path):
   assert not output.exists()
 
 
-def test_a_missing_target_code_is_one_line(built):
+def _refused_before_training(folder: str, config, tmp_path) -> str:
+  """The error of fine-tuning `folder` with `config`, which must come before anything is
+  written."""
+  from transformer_jax import train  # pylint: disable=import-outside-toplevel
+  config.pretrained, workdir = folder, tmp_path / "refused"
   with pytest.raises(checkpoint_lib.PretrainedError) as raised:
-    predict.Predictor.from_pretrained(built["m2m100"].folder, _serving_config("en", ""))
-  assert str(raised.value) == (
+    train.train_and_evaluate(config, str(workdir))
+  assert not workdir.exists()
+  return str(raised.value)
+
+
+def test_a_missing_target_code_is_one_line(built, tmp_path):
+  expected = (
       f"{built['m2m100'].folder} is a multilingual checkpoint: set the language to translate "
       "into, --config.target_lang=CODE (e.g. vi; and --config.source_lang for the source).")
+  with pytest.raises(checkpoint_lib.PretrainedError) as raised:
+    predict.Predictor.from_pretrained(built["m2m100"].folder, _serving_config("en", ""))
+  assert str(raised.value) == expected
+  assert _refused_before_training(built["m2m100"].folder, _serving_config("en", ""),
+                                  tmp_path) == expected
 
 
 def test_codes_for_a_checkpoint_without_them_are_refused(tmp_path):
@@ -294,6 +357,8 @@ def test_codes_for_a_checkpoint_without_them_are_refused(tmp_path):
   with pytest.raises(checkpoint_lib.PretrainedError, match="has no language codes: drop "
                      "config.source_lang / config.target_lang"):
     predict.Predictor.from_pretrained(folder, _serving_config("", "vi"))
+  assert "has no language codes: drop config.source_lang" in _refused_before_training(
+      folder, _serving_config("", "vi"), tmp_path)
   config = _serving_config("", "")
   config.directions = "en-vi,vi-en"
   with pytest.raises(checkpoint_lib.PretrainedError, match="has no language codes: "
@@ -321,32 +386,78 @@ def test_directions_are_checked_before_anything_runs():
 
 # ---- Many directions in one run ------------------------------------------------------------
 
-def _directions_config(b: Built):
+def _directions_config(b: Built, kind: str = "nllb"):
   config = _serving_config("", "")
   config.pretrained = b.folder
-  config.directions, config.language_codes = "en-vi,vi-en", "en=eng_Latn,vi=vie_Latn"
+  (en, vi) = CODES[kind]
+  config.directions, config.language_codes = "en-vi,vi-en", f"en={en},vi={vi}"
   return config
 
 
-def test_a_mixed_batch_decodes_each_row_as_alone(built, texts):
-  b = built["nllb"]
-  predictor = predict.Predictor.from_pretrained(b.folder, _directions_config(b))
-  tok, n = predictor.tokenizer, predictor.config.max_source_length
+# The prefix kinds (M2M100, mBART-50) work as NLLB's; the suffix kinds each their own way
+# (NLLB legacy: the code forced first; mBART-cc25: the decoder starts from it).
+@pytest.mark.parametrize("kind", ("nllb", *SUFFIX_KINDS))
+def test_a_mixed_batch_decodes_each_row_as_alone(built, texts, kind):
+  b = built[kind]
+  predictor = predict.Predictor.from_pretrained(b.folder, _directions_config(b, kind))
+  tok, family, vocab = predictor.tokenizer, predictor.family, b.checkpoint.vocab
   en, vi = _short(texts, 2, start=360, tok=built["nllb"].hf_tokenizer)
-  rows = []  # en -> vi and vi -> en rows, alternating
+  examples = []  # en -> vi and vi -> en rows, alternating, as the data pipeline tags them
   for e, v in zip(en, vi):
-    for text, (source, target) in ((e, ("eng_Latn", "vie_Latn")), (v, ("vie_Latn", "eng_Latn"))):
-      with tok.using_languages(source, target):
-        rows.append((text, source, target,
-                     np.append(pipeline.with_eos(tok.encode(text), n), tok.code_id(target))))
-  mixed = predictor.output_ids([prompt for *_, prompt in rows])
-  for (text, source, target, prompt), ids in zip(rows, mixed):
+    for (source, target), (text, text_target) in ((CODES[kind], (e, v)),
+                                                   (CODES[kind][::-1], (v, e))):
+      examples.append({"source": text, "target": text_target, "source_lang": source,
+                       "target_lang": target})
+  encoded, _ = features.encode_examples(family, examples, tok)
+  # Evaluation's prompts: each source, its end (`X </s> [code]` for the suffix kinds) and
+  # its row's target code.
+  prompts = family.prompts(encoded)
+  for example, prompt in zip(examples, prompts):
+    with tok.using_languages(example["source_lang"], example["target_lang"]):
+      ended = _ended(kind, tok.encode(example["source"]), predictor.config.max_source_length)
+      np.testing.assert_array_equal(prompt, np.append(ended, tok.code_id(example["target_lang"])))
+  mixed = predictor.output_ids(prompts)
+  for example, prompt, ids in zip(examples, prompts, mixed):
     np.testing.assert_array_equal(ids, predictor.output_ids([prompt])[0])
     # ... and as transformers' generate for that row's own direction.
-    out, _ = _hf_generate(b, [text], source, target)
-    got = [int(i) for i in b.checkpoint.vocab.hf(ids)]
+    out, _ = _hf_generate(b, [example["source"]], example["source_lang"],
+                          example["target_lang"])
+    got = [int(i) for i in vocab.hf(ids)]
     assert got[:got.index(2) + 1 if 2 in got else None] == [
         int(i) for i in out.numpy()[0, 1:] if i != 1]
+
+  # Training on the mixed batch: teacher-forced logits equal PyTorch's given the labels, from
+  # which transformers makes the decoder inputs itself (mBART: each from its own code).
+  inputs = _stacked([p[:-1] for p in prompts])
+  targets = _stacked(list(encoded.features["targets"]), extra=1)
+  ours = np.asarray(jax.jit(lambda p, i, t: family.forward(
+      p, {"inputs": i, "targets": t}, deterministic=True))(b.params, inputs, targets))
+  with torch.no_grad():
+    reference = b.torch_model(
+        input_ids=torch.tensor(vocab.hf(inputs)), attention_mask=torch.tensor(inputs != 0),
+        labels=torch.tensor(np.where(targets != 0, vocab.hf(targets), -100))).logits.numpy()
+  valid = targets != 0
+  np.testing.assert_allclose(ours[valid], reference[..., vocab.to_hf][valid], atol=1e-4, rtol=0)
+
+
+def test_the_files_a_run_keeps_and_exports_keep_the_language_codes(built, texts, tmp_path):
+  """What a fine-tuning run copies into WORKDIR/pretrained/ and an export writes back, for
+  every kind (a run fine-tuning NLLB exports below): transformers reloads the same tokenizer,
+  legacy_behaviour included, with the same codes and ids in both directions."""
+  en, vi = texts[0][300:310], texts[1][300:310]
+  for kind, b in built.items():
+    workdir = str(tmp_path / kind)
+    run_config.save_files(b.checkpoint, workdir)
+    for source, target in (CODES[kind], CODES[kind][::-1]):
+      theirs = _hf_tokenizer(b, source, target)
+      reloaded = transformers.AutoTokenizer.from_pretrained(
+          str(run_config.files_dir(workdir)), src_lang=source, tgt_lang=target)
+      assert type(reloaded) is type(theirs)
+      assert getattr(reloaded, "legacy_behaviour", None) == getattr(theirs, "legacy_behaviour",
+                                                                   None)
+      sources, targets = (en, vi) if source == CODES[kind][0] else (vi, en)
+      ours, expected = (tok(sources, text_target=targets) for tok in (reloaded, theirs))
+      assert (ours["input_ids"], ours["labels"]) == (expected["input_ids"], expected["labels"])
 
 
 def _parallel_folder(folder) -> str | None:

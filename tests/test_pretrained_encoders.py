@@ -198,6 +198,47 @@ def test_decoder_only_logits_and_greedy_continuations_equal_pytorch(kind, folder
     assert result.stdout.splitlines() == predictor.predict(texts[:2], max_decode_len=10)
 
 
+def test_a_generation_config_max_length_counts_the_prompt_as_generate_does(folders, tmp_path):
+  """A decoder-only checkpoint whose generation_config.json sets max_length (and no
+  max_new_tokens), served as it is: each prompt continues to max_length tokens in all, as
+  `generate` with the checkpoint's own settings does; batched prompts of different lengths
+  each as alone. (Without a length in the file generate makes 20 new tokens, we source + 50.)"""
+  folder = str(tmp_path / "llama")
+  shutil.copytree(folders("llama"), folder)
+  path = os.path.join(folder, "generation_config.json")
+  with open(path, encoding="utf-8") as f:
+    generation = dict(json.load(f), max_length=16)
+  generation.pop("max_new_tokens", None)
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(generation, f)
+  predictor = Predictor.from_pretrained(folder)
+  decoding = predictor.config.decoding
+  assert (decoding.max_total_len, decoding.max_decode_len, decoding.method) == (16, 0, "greedy")
+  tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+  texts = [t for t in _texts("llama", 40) if len(tokenizer(t)["input_ids"]) < 12][:4]
+  assert len({len(tokenizer(t)["input_ids"]) for t in texts}) > 1
+  prompts = [predictor.family.prompt(ids) for ids in predictor.tokenizer.encode_batch(texts)]
+  model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+  cut = 0  # rows that max_length ends, rather than EOS
+  for text, output in zip(texts, predictor.output_ids(prompts)):
+    prompt = tokenizer(text, return_tensors="pt")["input_ids"]
+    with torch.no_grad():  # the checkpoint's generation settings, no lengths of ours
+      ids = model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                           pad_token_id=tokenizer.eos_token_id)[0, prompt.shape[1]:].numpy()
+    ends = np.flatnonzero(ids == tokenizer.eos_token_id)
+    if len(ends):
+      expected = vocab_internal(predictor, ids[:ends[0] + 1])
+    else:  # cut at max_length: ours then ends with EOS
+      assert len(ids) == 16 - prompt.shape[1]
+      expected, cut = vocab_internal(predictor, ids) + [1], cut + 1
+    assert list(output[:len(expected) + 1]) == expected + [0]
+  assert cut > 1
+  # A length given on the command line (max_new_tokens to generate) counts new tokens.
+  ten = predictor.output_ids(prompts, decoding_config=predictor.decoding_config(
+      max_decode_len=10))
+  assert all(len(np.trim_zeros(row, "b")) == 10 for row in ten if 1 not in row)
+
+
 # Hub config.json files as older transformers wrote them (the keys that matter here), and the
 # fields they must import as.
 _HUB_CONFIGS = {

@@ -77,6 +77,7 @@ RANGES = {
     "decoding.top_k": (0, None, True, True),
     "decoding.top_p": (0, 1, False, True),
     "decoding.max_decode_len": (0, None, True, True),
+    "decoding.max_total_len": (0, None, True, True),
     "decoding.num_decodes": (1, None, True, True),
     "decoding.min_length": (0, None, True, True),
     "decoding.repetition_penalty": (0, None, False, True),

@@ -285,6 +285,10 @@ def get_config() -> ml_collections.ConfigDict:
       # Longest output in tokens, EOS included; 0 = source length + 50 (capped at
       # model.max_len).
       max_decode_len=0,
+      # A decoder-only model's prompt and output together, per row, where max_decode_len is 0
+      # (Hugging Face's max_length, set from a checkpoint's generation_config.json): each
+      # output ends after what its own prompt leaves; 0 = off.
+      max_total_len=0,
       # Every method: no EOS before this many output tokens; 0 = off.
       min_length=0,
       # Every method: token ids never generated, e.g. (3, 7); () = none. Ids are the model's

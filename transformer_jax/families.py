@@ -108,7 +108,8 @@ class EncoderDecoder(family_base.SequenceFamily):
   def __init__(self, config: ml_collections.ConfigDict):
     super().__init__(config)
     # Many translation directions in one run (data/directions.py): each prompt carries its
-    # row's target-language code after its EOS, the token decoding forces first in that row.
+    # row's target-language code after its end, the token decoding forces first in that row
+    # (mBART-cc25: the row's first decoder input, `start_from_last_target`).
     self.code_after_prompt = bool(directions.pairs(config))
     # mBART-cc25 / NLLB legacy_behaviour: `X </s> [code]`, ended by the tokenizer itself.
     self.code_after_eos = bool(config.get("code_after_eos", False))
@@ -127,8 +128,10 @@ class EncoderDecoder(family_base.SequenceFamily):
     prompt = self._ended(source, self.config.max_source_length)
     if not self.code_after_prompt:
       return prompt
-    code = self.config.decoding.forced_bos_id  # the target code of config.target_lang
-    if code < 0:
+    # The target code of config.target_lang: forced first, or (cc25) the decoder's start.
+    code = (self.model_config.bos_id if self.model_config.start_from_last_target
+            else self.config.decoding.forced_bos_id)
+    if code < 0 or not self.config.get("target_lang"):
       raise ValueError("This model translates several directions: name one with "
                        "--config.source_lang=CODE --config.target_lang=CODE.")
     return np.append(prompt, np.int32(code))
@@ -137,14 +140,19 @@ class EncoderDecoder(family_base.SequenceFamily):
     inputs = super().prompts(encoded)
     if not self.code_after_prompt:
       return inputs
-    # The target's first token is its language code (`[code] X </s>`).
-    return [np.append(i, t[:1]).astype(np.int32)
+    # The target's language code: its first token (`[code] X </s>`), or its last after its
+    # EOS (`X </s> [code]`: mBART-cc25, NLLB legacy_behaviour).
+    code = (lambda t: t[-1:]) if self.code_after_eos else (lambda t: t[:1])
+    return [np.append(i, code(t)).astype(np.int32)
             for i, t in zip(inputs, encoded.features["targets"])]
 
   def split_prompt(self, inputs):
     if not self.code_after_prompt:
-      return inputs, None
-    return split_code(inputs)
+      return inputs, None, None
+    inputs, codes = split_code(inputs)
+    if self.model_config.start_from_last_target:  # mBART-cc25: each row starts from its code
+      return inputs, None, codes
+    return inputs, codes, None
 
   def forward(self, params, batch: dict, *, deterministic: bool, rngs=None) -> Array:
     return self.model.apply(
@@ -203,7 +211,12 @@ class EncoderDecoder(family_base.SequenceFamily):
   def attention_weights(self, params, prompt, output):
     if self.code_after_prompt:
       prompt = np.asarray(prompt)[:-1]
-    weights = models.attention_weights(self.model, params, prompt[None], output[None])
+    model = self.model
+    if self.model_config.start_from_last_target:
+      # An output ends with EOS, not with its code: decoding started it from bos_id (the
+      # code of config.target_lang), and so does teacher forcing here.
+      model = models.EncoderDecoder(self.model_config.replace(start_from_last_target=False))
+    weights = models.attention_weights(model, params, prompt[None], output[None])
     decoder_inputs = np.asarray(models.shift_right(output[None], self.model_config.bos_id))[0]
     return weights, {"encoder_self": (prompt, prompt), "decoder_self": (output, decoder_inputs),
                      "cross": (output, prompt)}

@@ -149,18 +149,31 @@ class SequenceFamily(Family):
   """A family that generates text token by token from a KV cache."""
 
   def decode(self, params, inputs, rng, *, decoding_config, nbest=1):
-    inputs, forced_first = self.split_prompt(inputs)
+    inputs, forced_first, row_starts = self.split_prompt(inputs)
     max_len = self.max_decode_len(decoding_config, inputs.shape[1])
     rows = inputs.shape[0] * generate.copies(decoding_config, nbest)
     cache, tokens_to_logits, start_id = self.start_decoding(params, inputs, rows, max_len)
+    start_id = start_id if row_starts is None else row_starts
     return generate.search(cache, tokens_to_logits, rng, start_id=start_id,
                            batch_size=inputs.shape[0], decoding_config=decoding_config,
-                           max_len=max_len, nbest=nbest, forced_first=forced_first)
+                           max_len=max_len, nbest=nbest, forced_first=forced_first,
+                           row_limits=self.output_limits(inputs, decoding_config))
 
-  def split_prompt(self, inputs: Array) -> tuple[Array, Array | None]:
+  def output_limits(self, inputs: Array, decoding_config: ml_collections.ConfigDict
+                    ) -> Array | None:
+    """[b] output tokens each prompt may have before its EOS, None: max_decode_len's for all.
+    A continued prompt under `decoding.max_total_len` (Hugging Face's max_length, which counts
+    the prompt): what its own length leaves, as when it is generated alone."""
+    total = decoding_config.get("max_total_len", 0)
+    if not (self.continues_prompt and total) or decoding_config.max_decode_len:
+      return None
+    return jnp.maximum(total - jnp.sum(inputs != 0, axis=1), 0)
+
+  def split_prompt(self, inputs: Array) -> tuple[Array, Array | None, Array | None]:
     """[b, len] prompts -> (what the model reads, [b] first output tokens to force per row, 0
-    = none; None: no row forces one)."""
-    return inputs, None
+    = none; [b] first decoder inputs per row instead of `start_decoding`'s; None: no row
+    forces one, or every row starts from `start_decoding`'s)."""
+    return inputs, None, None
 
   @abc.abstractmethod
   def start_decoding(self, params, inputs: Array, rows: int, max_len: int):

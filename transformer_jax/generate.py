@@ -29,9 +29,12 @@ Array = jax.Array
 
 def max_decode_len(decoding_config: ml_collections.ConfigDict, model_config, source_len: int,
                    prompt_len: int = 0) -> int:
-  """Longest output: `decoding.max_decode_len`, or (when 0) source length + 50; never past
-  the model's position range (which a decoder-only model's prompt of `prompt_len` shares)."""
-  length = decoding_config.max_decode_len or source_len + 50
+  """Longest output: `decoding.max_decode_len`, or (when 0) source length + 50 (a continued
+  prompt under `decoding.max_total_len`: that many, each row ending earlier by its prompt's
+  length); never past the model's position range (which a decoder-only model's prompt of
+  `prompt_len` shares)."""
+  total = decoding_config.get("max_total_len", 0) if prompt_len else 0
+  length = decoding_config.max_decode_len or total or source_len + 50
   room = model_config.max_len - prompt_len
   if decoding_config.max_decode_len > room:
     raise ValueError(f"config.decoding.max_decode_len={length} does not fit config.model."
@@ -66,8 +69,8 @@ def copies(decoding_config: ml_collections.ConfigDict, nbest: int = 1) -> int:
 
 def search(cache: Any, tokens_to_logits: decoding.TokensToLogits, rng: Array, *,
            start_id: int, batch_size: int, decoding_config: ml_collections.ConfigDict,
-           max_len: int, nbest: int = 1, forced_first: Array | None = None
-           ) -> tuple[Array, Array]:
+           max_len: int, nbest: int = 1, forced_first: Array | None = None,
+           row_limits: Array | None = None) -> tuple[Array, Array]:
   """Runs the configured search: ([b, nbest, max_len] output ids, [b, nbest] scores), best
   first. Scores are what the search ranks by: the length-penalised log-probability for beam
   search, the log-probability for greedy and sampled outputs.
@@ -76,17 +79,22 @@ def search(cache: Any, tokens_to_logits: decoding.TokensToLogits, rng: Array, *,
   `copies(decoding_config, nbest)` rows per example. The logits processors of
   `decoding_config` (min length, banned ids, repetition penalty, no-repeat n-grams, forced
   BOS / EOS) apply to every method; `forced_first` [b]: a first output token per example (0 =
-  none) instead of `forced_bos_id` (each row's target language).
+  none) instead of `forced_bos_id` (each row's target language); `row_limits` [b]: output
+  tokens per example before an EOS that ends it (a decoder-only prompt's room under
+  `decoding.max_total_len`).
   """
   d = decoding_config
   end_ids = tuple(d.end_ids)
   common = dict(eos_id=tokenizer_lib.EOS_ID, end_ids=end_ids, max_decode_len=max_len,
-                bos_id=start_id, logits_processor=decoding.make_logits_processor(
-                    eos_id=tokenizer_lib.EOS_ID, end_ids=end_ids, min_length=d.min_length,
-                    banned_ids=tuple(d.banned_ids), repetition_penalty=d.repetition_penalty,
-                    no_repeat_ngram_size=d.no_repeat_ngram_size,
-                    forced_bos_id=d.forced_bos_id if forced_first is None else forced_first,
-                    forced_eos=d.forced_eos))
+                bos_id=start_id, logits_processor=decoding.chain_processors(
+                    decoding.make_logits_processor(
+                        eos_id=tokenizer_lib.EOS_ID, end_ids=end_ids, min_length=d.min_length,
+                        banned_ids=tuple(d.banned_ids),
+                        repetition_penalty=d.repetition_penalty,
+                        no_repeat_ngram_size=d.no_repeat_ngram_size,
+                        forced_bos_id=d.forced_bos_id if forced_first is None else forced_first,
+                        forced_eos=d.forced_eos),
+                    None if row_limits is None else _ended_at(row_limits)))
   if d.method == "beam":
     dummy_inputs = jnp.zeros((batch_size, 1), jnp.int32)  # beam_search reads only its shape
     sequences, scores = decoding.beam_search(dummy_inputs, cache, tokens_to_logits,
@@ -103,6 +111,20 @@ def search(cache: Any, tokens_to_logits: decoding.TokensToLogits, rng: Array, *,
                                    num_decodes=copies(d, nbest), return_logprobs=True,
                                    **common)
   return tokens[:, :nbest], scores[:, :nbest]
+
+
+def _ended_at(row_limits: Array) -> decoding.LogitsProcessor:
+  """EOS forced at output position `row_limits[i]` of example i's rows (its beams or samples,
+  consecutive), after as many tokens as it may have; nothing else after it. Last in the chain:
+  it wins, as Hugging Face's max_length stops a row whatever comes next."""
+  eos_only = lambda vocab: jnp.where(jnp.arange(vocab) == tokenizer_lib.EOS_ID, 0.0,
+                                     decoding.NEG_INF)
+
+  def process(logits, step, sequences):
+    del sequences
+    limits = decoding.first_inputs(row_limits, logits.shape[0])  # [rows, 1]
+    return jnp.where(step >= limits, eos_only(logits.shape[-1])[None, :], logits)
+  return process
 
 
 # Compiled decoding programs kept per decoding setting, one per (source length, rows) bucket:

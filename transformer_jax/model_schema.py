@@ -110,6 +110,10 @@ class TransformerConfig:
   # 0: off.
   logits_softcap: float = 0.0
   bos_id: int = 2  # first decoder input (the tokenizer reserves it; imports: decoder start)
+  # Encoder-decoder training: each target's first decoder input is its own last token instead
+  # of bos_id (mBART-cc25, whose `X </s> [code]` targets start from their language code, as
+  # mBART's shift_tokens_right wraps it round): rows of several target languages in one batch.
+  start_from_last_target: bool = False
 
   # ---- Regularisation ---------------------------------------------------------------------
   dropout_rate: float = 0.1  # residual: embeddings and every sub-layer output

@@ -30,15 +30,31 @@ Array = jax.Array
 PADDING_LOGIT = -1e9
 
 
-def shift_right(targets: Array, bos_id: int, segmentation: Array | None = None) -> Array:
-  """Decoder inputs: `bos` then the targets, one step later; packed segments each get a bos."""
+def shift_right(targets: Array, bos_id: int, segmentation: Array | None = None, *,
+                start_from_last: bool = False) -> Array:
+  """Decoder inputs: `bos` then the targets, one step later; packed segments each get a bos.
+  `start_from_last`: each target (segment) starts from its own last token instead of `bos`,
+  as mBART's shift_tokens_right wraps it round (mBART-cc25's `X </s> [code]` targets start
+  from their language code, so rows of different target languages start apart)."""
   shifted = jnp.pad(targets, ((0, 0), (1, 0)))[:, :-1]
   starts = jnp.zeros_like(targets, dtype=jnp.bool_).at[:, 0].set(True)
   if segmentation is not None:
     previous = jnp.pad(segmentation, ((0, 0), (1, 0)))[:, :-1]
     starts = starts | (segmentation != previous)
-  shifted = jnp.where(starts, bos_id, shifted)
+  first = _segment_last_tokens(targets, segmentation) if start_from_last else bos_id
+  shifted = jnp.where(starts, first, shifted)
   return jnp.where(targets != 0, shifted, 0)  # padding stays padding
+
+
+def _segment_last_tokens(targets: Array, segmentation: Array | None) -> Array:
+  """[b, len]: at each position, the last non-pad token of its segment (of its row unpacked)."""
+  segments = (targets != 0).astype(jnp.int32) if segmentation is None else segmentation
+  following = jnp.pad(segments[:, 1:], ((0, 0), (0, 1)))
+  ends = (targets != 0) & (following != segments)
+  length = targets.shape[1]
+  # The nearest end at or after each position: a running minimum from the right.
+  index = jax.lax.cummin(jnp.where(ends, jnp.arange(length), length - 1), axis=1, reverse=True)
+  return jnp.take_along_axis(targets, index, axis=1)
 
 
 def self_attention_mask(tokens: Array, segmentation: Array | None, causal: bool,
@@ -194,7 +210,8 @@ class EncoderDecoder(nn.Module):
       self_mask = None
       cross_mask = (inputs != 0)[:, None, None, :]  # [b, 1, 1, src_len]
     else:
-      decoder_inputs = shift_right(targets, c.bos_id, targets_segmentation)
+      decoder_inputs = shift_right(targets, c.bos_id, targets_segmentation,
+                                   start_from_last=c.start_from_last_target)
       if targets_position is None and counts_non_pad(c):
         targets_position = layers.non_pad_positions(decoder_inputs)
       self_mask = self_attention_mask(targets, targets_segmentation, causal=True)

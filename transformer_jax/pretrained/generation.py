@@ -1,8 +1,10 @@
 """A checkpoint's generation_config.json as `config.decoding` settings.
 
-Hugging Face counts the decoder start token in `max_length` and `min_length`; this project
-counts output tokens only (EOS included), hence the - 1s. Token ids are renumbered through the
-checkpoint's VocabMap.
+Hugging Face counts the decoder start token in an encoder-decoder's `max_length` and
+`min_length`; this project counts output tokens only (EOS included), hence the - 1s. A
+decoder-only model's `max_length` counts its prompt: it becomes `decoding.max_total_len`, which
+leaves each prompt what its own length leaves it (`max_new_tokens`, where set, wins, as in
+`generate`). Token ids are renumbered through the checkpoint's VocabMap.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from transformer_jax.pretrained import vocab as vocab_lib
 def decoding_settings(generation_config: dict, vocab: vocab_lib.VocabMap,
                       max_len: int, counts_prompt: bool = False) -> dict:
   """config.decoding keys and values that `generation_config` sets (the rest keep theirs).
-  Where max_length and min_length `counts_prompt` (a decoder-only model's), they are not
-  applied."""
+  Where max_length and min_length `counts_prompt` (a decoder-only model's), max_length is the
+  prompt's and the output's (max_total_len) and min_length is not applied."""
   g = {k: v for k, v in generation_config.items() if v is not None}
   settings = {}
   if g.get("do_sample"):  # transformers' defaults where the file is silent (top_k 50)
@@ -29,7 +31,9 @@ def decoding_settings(generation_config: dict, vocab: vocab_lib.VocabMap,
     settings.update(method="greedy")
   if "max_new_tokens" in g:
     settings["max_decode_len"] = min(int(g["max_new_tokens"]), max_len)
-  elif "max_length" in g and not counts_prompt:
+  elif "max_length" in g and counts_prompt:
+    settings["max_total_len"] = int(g["max_length"])
+  elif "max_length" in g:
     settings["max_decode_len"] = min(int(g["max_length"]) - 1, max_len)
   if g.get("min_length", 0) > 1 and not counts_prompt:
     settings["min_length"] = int(g["min_length"]) - 1

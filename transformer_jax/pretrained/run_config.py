@@ -129,12 +129,11 @@ def _apply_languages(config: ml_collections.ConfigDict,
   except ValueError as e:
     raise checkpoint_lib.PretrainedError(str(e)) from None
   languages = loaded.languages
-  config.code_after_eos = bool(languages and languages.style == languages_lib.SUFFIX)
-  if config.code_after_eos and many:
-    raise checkpoint_lib.PretrainedError(
-        f"The tokenizer of {checkpoint.folder} puts language codes after </s> (mBART-cc25, "
-        "NLLB legacy_behaviour): config.directions is not supported with it; train one "
-        "direction (config.source_lang / target_lang).")
+  with config.unlocked():
+    config.code_after_eos = bool(languages and languages.style == languages_lib.SUFFIX)
+    # mBART-cc25: each target `X </s> [code]` starts the decoder from its own code, so that a
+    # batch may mix target languages (transformers' shift_tokens_right for mBART).
+    config.model.start_from_last_target = bool(languages and languages.decoder_starts_with_code)
   apply_target_code(config, loaded)
 
 
@@ -237,8 +236,9 @@ def tokenizer(folder, vocab: vocab_lib.VocabMap,
       loaded.set_languages(config.get("source_lang", ""), config.get("target_lang", ""))
     except ValueError as e:
       raise checkpoint_lib.PretrainedError(str(e)) from None
-  suffix = loaded.languages is not None and loaded.languages.style == languages_lib.SUFFIX
-  if not loaded.ends_with_eos and not suffix:
+  # A multilingual tokenizer ends as its kind says (`X </s>`, or `X </s> [code]`), and may
+  # not end a target at all before it is given a target language (M2M100's tgt_lang=None).
+  if loaded.languages is None and not loaded.ends_with_eos:
     raise checkpoint_lib.PretrainedError(
         f"The tokenizer of {folder} does not end sequences with its EOS token; such "
         "tokenizers are not supported.")
