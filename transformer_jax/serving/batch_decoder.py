@@ -1,5 +1,7 @@
-"""One compiled decode for a server's batch: rows of different requests, each with its own
-sampling settings (temperature, top_k, top_p), seed and output limit.
+"""The compiled decode of a server's batch: rows of different requests, each with its own
+sampling settings (temperature, top_k, top_p), seed and output limit, decoded in segments of
+serve.stream_steps tokens (one compiled call fills the KV cache, each further call advances
+every row), so that streaming rows get their tokens while the batch decodes.
 
 Shapes are bucketed so that a running server never compiles: prompts are padded to a power
 of two >= 8 (at most config.max_source_length) and batches to devices x a power of two (at
@@ -174,7 +176,9 @@ class BatchDecoder:
         if row.on_tokens is not None and len(ids) > told[i]:
           told[i] = len(ids)
           _tell(row, ids, logprobs)
-      if progress["finished"][:len(rows)].all():
+      # Every row stops at its max_tokens (<= max_new_tokens), so the second test is a guard.
+      if progress["finished"][:len(rows)].all() or progress["step"].min() >= (
+          self.max_new_tokens):
         break
     return [Output(progress["ids"][i, :row.max_tokens], progress["logprobs"][i, :row.max_tokens])
             for i, row in enumerate(rows)]
