@@ -168,8 +168,11 @@ class BatchDecoder:
     params = self.predictor.device_params
     carried = self._start(params, layout.eval_batch(prompts), settings)
     told = [0] * len(rows)  # tokens each row's on_tokens has been given
+    carried, progress = self._advance(params, carried, settings)
     while True:
-      carried, progress = self._advance(params, carried, settings)
+      # The next segment is queued before this one's tokens are read, so that the device does
+      # not wait for the host (after the last one it runs no step: every row has finished).
+      carried, following = self._advance(params, carried, settings)
       progress = layout.host_rows(progress)
       for i, row in enumerate(rows):
         ids, logprobs = _so_far(progress, i, row.max_tokens)
@@ -180,6 +183,7 @@ class BatchDecoder:
       if progress["finished"][:len(rows)].all() or progress["step"].min() >= (
           self.max_new_tokens):
         break
+      progress = following
     return [Output(progress["ids"][i, :row.max_tokens], progress["logprobs"][i, :row.max_tokens])
             for i, row in enumerate(rows)]
 
