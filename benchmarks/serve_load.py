@@ -84,14 +84,17 @@ def post_streamed(url: str, body: dict) -> tuple[float, int]:
   request = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(),
                                    {"Content-Type": "application/json"})
   start, first, tokens = time.perf_counter(), None, 0
-  with urllib.request.urlopen(request, timeout=600) as response:
-    for line in response:
-      if not line.startswith(b"data: {"):
-        continue
-      chunk = json.loads(line[len(b"data: "):])
-      if first is None and any(c.get("text") for c in chunk.get("choices", ())):
-        first = time.perf_counter() - start
-      tokens = chunk.get("usage", {}).get("completion_tokens", tokens)
+  try:
+    with urllib.request.urlopen(request, timeout=600) as response:
+      for line in response:
+        if not line.startswith(b"data: {"):
+          continue
+        chunk = json.loads(line[len(b"data: "):])
+        if first is None and any(c.get("text") for c in chunk.get("choices", ())):
+          first = time.perf_counter() - start
+        tokens = chunk.get("usage", {}).get("completion_tokens", tokens)
+  except urllib.error.HTTPError as e:
+    raise SystemExit(f"{body} -> HTTP {e.code}: {e.read().decode()}") from e
   return (first if first is not None else time.perf_counter() - start), tokens
 
 
