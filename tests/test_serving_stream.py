@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from tests import hf_fixtures
+from transformer_jax import config_validation
 from transformer_jax import decoding
 from transformer_jax import default_config
 from transformer_jax import generate
@@ -113,3 +114,12 @@ def test_text_stream_pieces_add_up_to_the_completion(llama_tokenizer, stop):
     assert (stream.done.token_ids, stream.done.finish_reason) == (
         expected.token_ids, expected.finish_reason)
     assert expected.finish_reason == ("stop" if stop else "length")
+
+
+def test_stream_steps_below_one_is_a_one_line_error():
+  config = default_config.get_config()
+  config.serve.stream_steps = 0
+  with pytest.raises(config_validation.ConfigError) as raised:
+    config_validation.validate(config)
+  assert "config.serve.stream_steps=0 must be >= 1" in str(raised.value)
+  assert "\n" not in str(raised.value)
