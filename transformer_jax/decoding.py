@@ -496,15 +496,18 @@ def start_sampling(cache: Any, *, batch_size: int, bos_id: int | Array,
   return _initial_state(cache, batch_size, bos_id, max_decode_len, token_logprobs=True)
 
 
-def sample_steps(state: tuple, tokens_to_logits: TokensToLogits, rng: Array, *, steps: int | Array,
-                 eos_id: int, temperature: float | Array = 1.0, top_k: int | Array = 0,
+def sample_steps(state: tuple, tokens_to_logits: TokensToLogits, rng: Array, *,
+                 steps: int | Array, eos_id: int, temperature: float | Array = 1.0,
+                 top_k: int | Array = 0,
                  top_p: float | Array = 1.0, end_ids: Sequence[int] = (),
                  logits_processor: LogitsProcessor | None = None,
                  row_limits: Array | None = None) -> tuple:
   """`state` (from `start_sampling`) advanced by up to `steps` tokens, or fewer where every
-  row finishes first. Runs `sample`'s own loop body, so that segments of any size give the
-  ids and log-probabilities one `sample(..., return_logprobs=True, return_token_logprobs=True)`
-  call gives for the same arguments (one sample per row, no decoder_prompt)."""
+  row finishes first. Runs `sample`'s own loop body, so that segments of any size compute
+  what one `sample(..., return_logprobs=True, return_token_logprobs=True)` call computes for
+  the same arguments (one sample per row, no decoder_prompt); `rng` as `sample`'s.
+  (Compiled apart, XLA may sum in another order where the callback's inputs are arguments
+  rather than values of the same program: last-bit differences, docs/serving.md.)"""
   _check("temperature", temperature, lambda v: v >= 0, ">= 0")
   _check_filter(top_k, top_p)
   rows = state[1].shape[0]
