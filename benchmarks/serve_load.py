@@ -11,7 +11,9 @@ different lengths, half of the requests greedy, half sampled with their own seed
 temperature (the server batches them together). With `--fixed_length` every output is
 `--max_tokens` long (config.decoding.min_length: no EOS before it, as vLLM's benchmarks
 use ignore_eos); otherwise outputs end where the model ends them. Arguments after `--` go to
-the server (e.g. --config.serve.max_batch_size=16). Prints a Markdown table.
+the server (e.g. --config.serve.max_batch_size=16). With `--stream` the requests are
+streamed and the table adds the median time to the first chunk carrying text. Prints a
+Markdown table.
 """
 
 from __future__ import annotations
@@ -76,6 +78,26 @@ def start_server(args, port: int, log) -> subprocess.Popen:
   raise SystemExit(f"The server did not start in {args.start_timeout} s; see {log.name}")
 
 
+def post_streamed(url: str, body: dict) -> tuple[float, int]:
+  """Sends a streamed request and reads its server-sent events: (seconds to the first chunk
+  carrying text, completion tokens from the usage on the last chunk)."""
+  request = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(),
+                                   {"Content-Type": "application/json"})
+  start, first, tokens = time.perf_counter(), None, 0
+  try:
+    with urllib.request.urlopen(request, timeout=600) as response:
+      for line in response:
+        if not line.startswith(b"data: {"):
+          continue
+        chunk = json.loads(line[len(b"data: "):])
+        if first is None and any(c.get("text") for c in chunk.get("choices", ())):
+          first = time.perf_counter() - start
+        tokens = chunk.get("usage", {}).get("completion_tokens", tokens)
+  except urllib.error.HTTPError as e:
+    raise SystemExit(f"{body} -> HTTP {e.code}: {e.read().decode()}") from e
+  return (first if first is not None else time.perf_counter() - start), tokens
+
+
 def request_body(i: int, max_tokens: int, max_words: int = 0) -> dict:
   words = SENTENCES[i % len(SENTENCES)].split()
   body = {"prompt": " ".join(words[:max_words or None]), "max_tokens": max_tokens}
@@ -86,15 +108,22 @@ def request_body(i: int, max_tokens: int, max_words: int = 0) -> dict:
   return body
 
 
-def measure(url: str, concurrency: int, count: int, max_tokens: int, max_words: int) -> dict:
-  """Sends `count` requests from `concurrency` clients; the round's statistics."""
-  latencies, tokens = [], []
+def measure(url: str, concurrency: int, count: int, max_tokens: int, max_words: int,
+            stream: bool = False) -> dict:
+  """Sends `count` requests from `concurrency` clients; the round's statistics (with
+  `stream`, streamed requests and their time to the first text)."""
+  latencies, tokens, firsts = [], [], []
 
   def one(i: int):
     start = time.perf_counter()
-    answer = post(url, request_body(i, max_tokens, max_words))
+    if stream:
+      first, count = post_streamed(url, request_body(i, max_tokens, max_words))
+      firsts.append(first)
+      tokens.append(count)
+    else:
+      tokens.append(post(url, request_body(i, max_tokens, max_words))["usage"][
+          "completion_tokens"])
     latencies.append(time.perf_counter() - start)
-    tokens.append(answer["usage"]["completion_tokens"])
 
   start = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
@@ -103,7 +132,8 @@ def measure(url: str, concurrency: int, count: int, max_tokens: int, max_words: 
   return {"concurrency": concurrency, "requests": count, "requests_per_s": count / elapsed,
           "tokens_per_s": sum(tokens) / elapsed, "tokens_per_request": np.mean(tokens),
           "p50_s": float(np.percentile(latencies, 50)),
-          "p99_s": float(np.percentile(latencies, 99))}
+          "p99_s": float(np.percentile(latencies, 99)),
+          "first_p50_s": float(np.percentile(firsts, 50)) if firsts else float("nan")}
 
 
 def make_smollm2_135m(folder: str) -> str:
@@ -138,6 +168,8 @@ def main():
   parser.add_argument("--fixed_length", action="store_true")
   parser.add_argument("--max_words", type=int, default=0,
                       help="prompts cut to their first N words (0: whole sentences)")
+  parser.add_argument("--stream", action="store_true",
+                      help="streamed requests; also reports the time to the first text")
   parser.add_argument("--start_timeout", type=float, default=1800)
   parser.add_argument("server_args", nargs="*")
   args = parser.parse_args()
@@ -154,14 +186,19 @@ def main():
     print(f"Server ready in {time.perf_counter() - start:.0f} s (log: {log.name})", flush=True)
     try:
       levels = [int(c) for c in args.concurrency.split(",")]
-      measure(url, max(levels), max(levels), args.max_tokens, args.max_words)  # warm-up
+      measure(url, max(levels), max(levels), args.max_tokens, args.max_words,
+              args.stream)  # warm-up
+      first = " p50 time to first text |" if args.stream else ""
       print("| concurrency | requests | requests/s | generated tokens/s | tokens/request | "
-            "p50 latency | p99 latency |\n|---|---|---|---|---|---|---|")
+            f"p50 latency | p99 latency |{first}\n|---|---|---|---|---|---|---|"
+            + "---|" * args.stream)
       for level in levels:
-        r = measure(url, level, max(args.requests, level), args.max_tokens, args.max_words)
+        r = measure(url, level, max(args.requests, level), args.max_tokens, args.max_words,
+                    args.stream)
+        first = f" {r['first_p50_s'] * 1000:.0f} ms |" if args.stream else ""
         print(f"| {level} | {r['requests']} | {r['requests_per_s']:.2f} | "
               f"{r['tokens_per_s']:.0f} | {r['tokens_per_request']:.1f} | "
-              f"{r['p50_s'] * 1000:.0f} ms | {r['p99_s'] * 1000:.0f} ms |", flush=True)
+              f"{r['p50_s'] * 1000:.0f} ms | {r['p99_s'] * 1000:.0f} ms |{first}", flush=True)
     finally:
       server.terminate()
       server.wait(120)

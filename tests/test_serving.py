@@ -254,6 +254,26 @@ def test_decoder_only_raw_and_chat_equal_predict_greedy_and_need_the_key(llama):
   assert cut.text == long.text[:long.text.index(stop)] and cut.finish_reason == "stop"
 
 
+def test_streams_send_text_while_the_batch_decodes(llama):
+  # serve.stream_steps=4 (the default): a 16-token output's text comes in up to 4 pieces (5
+  # where the last characters wait for the end), one per decoded segment, not all at the end
+  # nor one per token; with a stop string too, the pieces add up to the non-streamed text.
+  _, server = llama
+  kwargs = dict(model=server.name, prompt=TEXTS[0], max_tokens=16, temperature=0)
+  whole = server.client.completions.create(**kwargs).choices[0]
+  assert whole.finish_reason == "length"
+  for stop in ([], [whole.text[-4:-2]]):
+    expected = server.client.completions.create(**kwargs, stop=stop).choices[0]
+    pieces, finish = [], None
+    for chunk in server.client.completions.create(**kwargs, stop=stop, stream=True):
+      pieces += [c.text for c in chunk.choices if c.text]
+      finish = [c.finish_reason for c in chunk.choices if c.finish_reason] or finish
+    assert "".join(pieces) == expected.text
+    assert finish == [expected.finish_reason]
+    if not stop:
+      assert 1 < len(pieces) <= 5, pieces
+
+
 def test_classifier_answers_classifications_with_predict_probabilities(tmp_path):
   folder = hf_fixtures.tiny_model("bert", str(tmp_path / "bert"))
   server = Server("--pretrained", folder, "--config.max_source_length=16")

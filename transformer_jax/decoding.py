@@ -225,10 +225,41 @@ def _decode_loop(cache: Any, tokens_to_logits: TokensToLogits,
     chosen tokens, EOS included, forced ones not; with `token_logprobs` also those
     log-probabilities per token, float32 [rows, max_decode_len] (0 for forced and after the end).
   """
+  state = _initial_state(cache, rows, bos_id, max_decode_len, token_logprobs)
+  body = _decode_step(tokens_to_logits, choose, eos_id=eos_id, forced=forced, end_ids=end_ids,
+                      logits_processor=logits_processor, row_limits=row_limits)
+  final = _run_steps(state, body, max_decode_len)
+  return (final[2], final[4]) + tuple(final[6:])
+
+
+def _initial_state(cache: Any, rows: int, bos_id: int | Array, max_decode_len: int,
+                   token_logprobs: bool) -> tuple:
+  """The decode loop's state at step 0: (step, last tokens [rows, 1], sequences, finished,
+  summed log-probs, cache[, per-token log-probs])."""
+  state = (jnp.array(0), first_inputs(bos_id, rows),
+           jnp.zeros((rows, max_decode_len), jnp.int32), jnp.zeros((rows,), jnp.bool_),
+           jnp.zeros((rows,), jnp.float32), cache)
+  if token_logprobs:
+    state += (jnp.zeros((rows, max_decode_len), jnp.float32),)
+  return state
+
+
+def _run_steps(state: tuple, body: Callable[[tuple], tuple], until: int | Array) -> tuple:
+  """Runs `body` while the step is below `until` (max_decode_len, or a segment's end) and some
+  row is unfinished."""
 
   def cond(state):
     step, finished = state[0], state[3]
-    return (step < max_decode_len) & ~jnp.all(finished)
+    return (step < until) & ~jnp.all(finished)
+
+  return jax.lax.while_loop(cond, body, state)
+
+
+def _decode_step(tokens_to_logits: TokensToLogits, choose: Callable[[Array, Array], Array], *,
+                 eos_id: int, forced: Array | None, end_ids: Sequence[int],
+                 logits_processor: LogitsProcessor | None,
+                 row_limits: Array | None) -> Callable[[tuple], tuple]:
+  """The decode loop's body: one token per row, state -> state (see `_initial_state`)."""
 
   def body(state):
     step, last, sequences, finished, logprobs, cache = state[:6]
@@ -251,17 +282,11 @@ def _decode_loop(cache: Any, tokens_to_logits: TokensToLogits,
     if row_limits is not None:
       finished = finished | (step + 1 >= row_limits)
     new_state = (step + 1, token[:, None], sequences, finished, logprobs, cache)
-    if token_logprobs:  # the per-token record is carried only where asked for
+    if len(state) > 6:  # the per-token record is carried only where asked for
       new_state += (jax.lax.dynamic_update_slice(state[6], chosen_logprob[:, None], (0, step)),)
     return new_state
 
-  state = (jnp.array(0), first_inputs(bos_id, rows),
-           jnp.zeros((rows, max_decode_len), jnp.int32), jnp.zeros((rows,), jnp.bool_),
-           jnp.zeros((rows,), jnp.float32), cache)
-  if token_logprobs:
-    state += (jnp.zeros((rows, max_decode_len), jnp.float32),)
-  final = jax.lax.while_loop(cond, body, state)
-  return (final[2], final[4]) + tuple(final[6:])
+  return body
 
 
 def first_argmax(logits: Array) -> Array:
@@ -410,20 +435,7 @@ def sample(cache: Any, tokens_to_logits: TokensToLogits, rng: Array, *, batch_si
   copies = num_decodes or 1
   if num_decodes is not None:
     cache = expand_cache(cache, num_decodes)
-  draw = _row_sampler(rng, batch_size, copies)
-  if jnp.ndim(temperature) == 1:
-    choose = _per_row_chooser(draw, *(
-        jnp.repeat(jnp.broadcast_to(jnp.asarray(x), (batch_size,)), copies)
-        for x in (temperature, top_k, top_p)))
-  else:
-    temperature = jnp.asarray(temperature, jnp.float32)
-    greedy = temperature == 0
-
-    def choose(logits, step):
-      scaled = filter_logits(logits / jnp.where(greedy, 1.0, temperature), top_k, top_p)
-      sampled = draw(scaled, step)
-      return jnp.where(greedy, first_argmax(logits), sampled).astype(jnp.int32)
-
+  choose = _sampling_chooser(rng, batch_size, copies, temperature, top_k, top_p)
   tokens, logprobs, *per_token = _decode_loop(
       cache, tokens_to_logits, choose, rows=batch_size * copies, bos_id=bos_id, eos_id=eos_id,
       end_ids=end_ids, max_decode_len=max_decode_len, logits_processor=logits_processor,
@@ -440,6 +452,23 @@ def sample(cache: Any, tokens_to_logits: TokensToLogits, rng: Array, *, batch_si
     per_token = [jnp.take_along_axis(x, order[:, :, None], axis=1) for x in per_token]
   return (tokens, *([logprobs] if return_logprobs else []), *per_token) if (
       return_logprobs or return_token_logprobs) else tokens
+
+
+def _sampling_chooser(rng: Array, batch_size: int, copies: int, temperature, top_k, top_p):
+  """choose(logits, step) -> ids for `sample`'s settings (scalars, or arrays [batch_size])."""
+  draw = _row_sampler(rng, batch_size, copies)
+  if jnp.ndim(temperature) == 1:
+    return _per_row_chooser(draw, *(
+        jnp.repeat(jnp.broadcast_to(jnp.asarray(x), (batch_size,)), copies)
+        for x in (temperature, top_k, top_p)))
+  temperature = jnp.asarray(temperature, jnp.float32)
+  greedy = temperature == 0
+
+  def choose(logits, step):
+    scaled = filter_logits(logits / jnp.where(greedy, 1.0, temperature), top_k, top_p)
+    sampled = draw(scaled, step)
+    return jnp.where(greedy, first_argmax(logits), sampled).astype(jnp.int32)
+  return choose
 
 
 def _per_row_chooser(draw, temperature: Array, top_k: Array, top_p: Array):
@@ -471,6 +500,46 @@ def _row_sampler(rng: Array, batch_size: int, copies: int):
   flat = copy_keys.reshape((batch_size * copies,) + copy_keys.shape[2:])
   one = lambda key, step, logits: jax.random.categorical(jax.random.fold_in(key, step), logits)
   return lambda scaled, step: jax.vmap(one, in_axes=(0, None, 0))(flat, step, scaled)
+
+
+# ---- Sampling in segments (a server streaming tokens while it decodes) ---------------------
+
+def start_sampling(cache: Any, *, batch_size: int, bos_id: int | Array,
+                   max_decode_len: int) -> tuple:
+  """The state `sample_steps` advances: `sample`'s loop state at step 0 (one sample per row,
+  per-token log-probabilities kept), a tuple of arrays a compiled function can take and
+  return (donated, so that the cache is updated in place)."""
+  _check("max_decode_len", max_decode_len, lambda v: v >= 1, ">= 1")
+  return _initial_state(cache, batch_size, bos_id, max_decode_len, token_logprobs=True)
+
+
+def sample_steps(state: tuple, tokens_to_logits: TokensToLogits, rng: Array, *,
+                 steps: int | Array, eos_id: int, temperature: float | Array = 1.0,
+                 top_k: int | Array = 0,
+                 top_p: float | Array = 1.0, end_ids: Sequence[int] = (),
+                 logits_processor: LogitsProcessor | None = None,
+                 row_limits: Array | None = None) -> tuple:
+  """`state` (from `start_sampling`) advanced by up to `steps` tokens, or fewer where every
+  row finishes first. Runs `sample`'s own loop body, so that segments of any size compute
+  what one `sample(..., return_logprobs=True, return_token_logprobs=True)` call computes for
+  the same arguments (one sample per row, no decoder_prompt); `rng` as `sample`'s.
+  (Compiled apart, XLA may sum in another order where the callback's inputs are arguments
+  rather than values of the same program: last-bit differences, docs/serving.md.)"""
+  _check("temperature", temperature, lambda v: v >= 0, ">= 0")
+  _check_filter(top_k, top_p)
+  rows = state[1].shape[0]
+  choose = _sampling_chooser(rng, rows, 1, temperature, top_k, top_p)
+  body = _decode_step(tokens_to_logits, choose, eos_id=eos_id, forced=None, end_ids=end_ids,
+                      logits_processor=logits_processor, row_limits=row_limits)
+  until = jnp.minimum(state[0] + steps, state[2].shape[1])
+  return _run_steps(state, body, until)
+
+
+def sampling_progress(state: tuple) -> tuple[Array, Array, Array, Array, Array]:
+  """(step, finished [rows], tokens [rows, max_decode_len], summed log-probs [rows], per-token
+  log-probs [rows, max_decode_len]) of a `start_sampling` / `sample_steps` state: the tokens
+  so far (zeros from `step` on and after each row's end)."""
+  return state[0], state[3], state[2], state[4], state[6]
 
 
 # ---- Beam search ---------------------------------------------------------------------------

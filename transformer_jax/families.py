@@ -197,13 +197,20 @@ class EncoderDecoder(family_base.SequenceFamily):
   def cached_tokens_to_logits(self, params, encoded: Array, source: Array):
     """The decoding callback: next-token logits [n, vocab] from the decoder's KV cache, for
     n = a multiple of the b source rows (beams or samples of each source, row-major)."""
+    return self.step_logits(params, self._context(params, encoded, source))
+
+  def _context(self, params, encoded: Array, source: Array) -> dict:
+    return {"encoded": encoded, "source": source,
+            "encoded_kv": self.encoded_key_value(params, encoded, source)}
+
+  def step_logits(self, params, context):
     model = self.model
-    encoded_kv = self.encoded_key_value(params, encoded, source)
 
     def tokens_to_logits(ids, cache):
       logits, variables = model.apply(
-          {"params": params, "cache": cache, "encoded_kv": encoded_kv}, encoded, source, ids,
-          deterministic=True, decode=True, mutable=["cache"], method=model.decode)
+          {"params": params, "cache": cache, "encoded_kv": context["encoded_kv"]},
+          context["encoded"], context["source"], ids, deterministic=True, decode=True,
+          mutable=["cache"], method=model.decode)
       return logits[:, -1], variables["cache"]
 
     return tokens_to_logits
@@ -221,14 +228,13 @@ class EncoderDecoder(family_base.SequenceFamily):
     return weights, {"encoder_self": (prompt, prompt), "decoder_self": (output, decoder_inputs),
                      "cross": (output, prompt)}
 
-  def start_decoding(self, params, inputs, rows, max_len):
+  def prefill(self, params, inputs, rows, max_len):
     # Beams and samples share their source's encoder output and cross-attention keys/values:
     # nothing per source is copied per row.
     model = self.model
     encoded = model.apply({"params": params}, inputs, deterministic=True, method=model.encode)
     cache = self.init_cache(inputs.shape[0], inputs.shape[1], max_len)
-    return (cache, self.cached_tokens_to_logits(params, encoded, inputs),
-            self.model_config.bos_id)
+    return cache, self._context(params, encoded, inputs), self.model_config.bos_id
 
 
 def split_code(inputs):
@@ -367,7 +373,7 @@ class DecoderOnly(family_base.SequenceFamily):
                                    deterministic=True, decode=True)
     return family_base.zeros(jax.eval_shape(init)["cache"])
 
-  def start_decoding(self, params, inputs, rows, max_len):
+  def prefill(self, params, inputs, rows, max_len):
     """Fills the KV cache with the right-padded prompts `SOURCE <eos>` [b, P].
 
     The cache holds `<bos> SOURCE` (the training input up to the EOS), so decoding starts by
@@ -395,14 +401,18 @@ class DecoderOnly(family_base.SequenceFamily):
     if rows != batch_size:  # the callback sees [batch * copies] rows
       cache_mask = decoding.flat_batch_beam_expand(cache_mask, rows // batch_size)
       offset = decoding.flat_batch_beam_expand(offset, rows // batch_size)
+    return variables["cache"], {"cache_mask": cache_mask, "offset": offset}, start
+
+  def step_logits(self, params, context):
+    model = self.model
 
     def tokens_to_logits(ids, cache):
       logits, new = model.apply({"params": params, "cache": cache}, ids, deterministic=True,
-                                decode=True, cache_mask=cache_mask, decode_offset=offset,
-                                mutable=["cache"])
+                                decode=True, cache_mask=context["cache_mask"],
+                                decode_offset=context["offset"], mutable=["cache"])
       return logits[:, -1], new["cache"]
 
-    return variables["cache"], tokens_to_logits, start
+    return tokens_to_logits
 
 
 class EncoderClassifier(family_base.Family):

@@ -175,9 +175,20 @@ class SequenceFamily(Family):
     forces one, or every row starts from `start_decoding`'s)."""
     return inputs, None, None
 
-  @abc.abstractmethod
   def start_decoding(self, params, inputs: Array, rows: int, max_len: int):
     """(cache, tokens_to_logits over `rows` flat rows, first token) for `inputs` [b, len]."""
+    cache, context, start_id = self.prefill(params, inputs, rows, max_len)
+    return cache, self.step_logits(params, context), start_id
+
+  @abc.abstractmethod
+  def prefill(self, params, inputs: Array, rows: int, max_len: int):
+    """(cache, context, first token): `start_decoding` with its callback's inputs (encoder
+    output, masks: arrays) returned as `context`, so that a decode split into several compiled
+    calls (a server streaming tokens) can carry them from one call to the next."""
+
+  @abc.abstractmethod
+  def step_logits(self, params, context):
+    """The decoding callback tokens_to_logits(ids [n, 1], cache) of a `prefill` context."""
 
 
 def zeros(abstract_tree):

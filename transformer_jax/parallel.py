@@ -122,6 +122,11 @@ class DataParallel:
     """fn(params, inputs, row keys) -> outputs per row (no collectives)."""
     return jax.pmap(fn, axis_name=AXIS)
 
+  def compile_decode_steps(self, fn: Callable) -> Callable:
+    """fn(params, state, settings) -> (state, outputs per row): a decode advanced in segments
+    (a server streaming tokens); the state is donated, so its KV cache is updated in place."""
+    return jax.pmap(fn, axis_name=AXIS, donate_argnums=(1,))
+
   def host_sums(self, tree: Any) -> Any:
     return jax.tree.map(first_local_copy, tree)
 
@@ -236,6 +241,11 @@ class MeshParallel:
   def compile_decode(self, fn: Callable) -> Callable:
     # Outputs replicated: every process gets every row back.
     return self._jit(fn, out_shardings=self.replicated)
+
+  def compile_decode_steps(self, fn: Callable) -> Callable:
+    # Replicated as compile_decode's outputs are, so that the state a segment returns has the
+    # sharding of the one it took (no second compilation).
+    return self._jit(fn, out_shardings=self.replicated, donate_argnums=(1,))
 
   def host_sums(self, tree: Any) -> Any:
     return jax.tree.map(np.asarray, tree)

@@ -15,7 +15,9 @@ between threads); only decoding runs on the engine's thread.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
+import functools
 import json
 import math
 import secrets
@@ -89,12 +91,17 @@ class Service:
                                       seed, i, choice))
     return rows, max_tokens
 
-  async def run(self, rows: list[batch_decoder.Row]) -> list[batch_decoder.Output]:
+  def submit(self, rows: list[batch_decoder.Row]) -> list[concurrent.futures.Future]:
+    """Queues `rows`: a future per row (batch_decoder.Output)."""
     try:
       futures = self.engine.submit(rows)
     finally:
       _arrived(self.engine)
     logging.info("Received request: %d rows queued.", len(rows))
+    return futures
+
+  async def run(self, rows: list[batch_decoder.Row]) -> list[batch_decoder.Output]:
+    futures = self.submit(rows)
     return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
 
   async def generate(self, request: protocol.Sampling, prompts: list, max_tokens: int | None
@@ -104,6 +111,22 @@ class Service:
     outputs = await self.run(rows)
     return ([texts.completion(self.tokenizer, o.ids, o.logprobs, max_tokens, request.stops)
              for o in outputs], sum(len(p) for p in prompts))
+
+  def stream(self, request: protocol.Sampling, prompts: list, max_tokens: int | None
+             ) -> tuple[asyncio.Queue, list[texts.TextStream], int]:
+    """Queues a streamed request's rows: each row's tokens come onto the returned queue as
+    ('tokens', row, ids so far, log-probs) after every segment its batch decodes, and
+    ('done', row, future) at its end; with a TextStream per row and the prompts' tokens."""
+    rows, max_tokens = self.rows(request, prompts, max_tokens)
+    loop = asyncio.get_running_loop()
+    updates: asyncio.Queue = asyncio.Queue()
+    post = lambda *item: loop.call_soon_threadsafe(updates.put_nowait, item)
+    for i, row in enumerate(rows):
+      row.on_tokens = functools.partial(post, "tokens", i)
+    for i, future in enumerate(self.submit(rows)):
+      future.add_done_callback(functools.partial(post, "done", i))
+    streams = [texts.TextStream(self.tokenizer, max_tokens, request.stops) for _ in rows]
+    return updates, streams, sum(len(p) for p in prompts)
 
 
 def create_app(service: Service, api_key: str | None = None) -> fastapi.FastAPI:
@@ -142,6 +165,8 @@ def create_app(service: Service, api_key: str | None = None) -> fastapi.FastAPI:
   async def completions(request: protocol.CompletionRequest):
     service.check_family(classification=False)
     prompts = [service.prompts.completion(p) for p in _prompt_list(request.prompt)]
+    if request.stream:
+      return _streamed(service, request, prompts, request.max_tokens, chat=False)
     choices, prompt_tokens = await service.generate(request, prompts, request.max_tokens)
     return _answer(service, request, choices, prompt_tokens, chat=False)
 
@@ -151,6 +176,8 @@ def create_app(service: Service, api_key: str | None = None) -> fastapi.FastAPI:
     prompt = service.prompts.chat(request.chat())
     max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None
                   else request.max_tokens)
+    if request.stream:
+      return _streamed(service, request, [prompt], max_tokens, chat=True)
     choices, prompt_tokens = await service.generate(request, [prompt], max_tokens)
     return _answer(service, request, choices, prompt_tokens, chat=True)
 
@@ -202,15 +229,15 @@ def _prompt_list(prompt) -> list:
   return list(prompt)
 
 
+def _head(service: Service, chat: bool) -> dict:
+  return {"id": protocol.new_id("chatcmpl" if chat else "cmpl"), "created": protocol.now(),
+          "model": service.name}
+
+
 def _answer(service: Service, request: protocol.Sampling, choices: list[texts.Completion],
             prompt_tokens: int, chat: bool):
   usage = protocol.usage(prompt_tokens, sum(len(c.token_ids) for c in choices))
   kind = "chat.completion" if chat else "text_completion"
-  head = {"id": protocol.new_id("chatcmpl" if chat else "cmpl"), "created": protocol.now(),
-          "model": service.name}
-  if request.stream:
-    return responses.StreamingResponse(_stream(service, request, choices, usage, head, chat),
-                                       media_type="text/event-stream")
   listed = []
   for index, choice in enumerate(choices):
     logprobs = _logprobs(service, request, choice, chat)
@@ -220,7 +247,7 @@ def _answer(service: Service, request: protocol.Sampling, choices: list[texts.Co
     else:
       listed.append({"index": index, "text": choice.text, "logprobs": logprobs,
                      "finish_reason": choice.finish_reason})
-  return {**head, "object": kind, "choices": listed, "usage": usage}
+  return {**_head(service, chat), "object": kind, "choices": listed, "usage": usage}
 
 
 def _logprobs(service: Service, request, choice: texts.Completion, chat: bool) -> dict | None:
@@ -232,10 +259,21 @@ def _logprobs(service: Service, request, choice: texts.Completion, chat: bool) -
   return protocol.completion_logprobs(tokens, choice.logprobs, choice.pieces)
 
 
-async def _stream(service: Service, request, choices: list[texts.Completion], usage: dict,
-                  head: dict, chat: bool) -> AsyncIterator[str]:
-  """Server-sent events in OpenAI's chunk format: each choice's text piece by piece, then its
-  finish reason; the last chunk carries the usage; then [DONE]."""
+def _streamed(service: Service, request: protocol.Sampling, prompts: list,
+              max_tokens: int | None, chat: bool) -> responses.StreamingResponse:
+  """A streamed request's response: its rows are queued (or the request refused) now, and
+  their text is sent while they decode."""
+  updates, streams, prompt_tokens = service.stream(request, prompts, max_tokens)
+  return responses.StreamingResponse(
+      _stream(updates, streams, request, prompt_tokens, _head(service, chat), chat),
+      media_type="text/event-stream")
+
+
+async def _stream(updates: asyncio.Queue, streams: list[texts.TextStream], request,
+                  prompt_tokens: int, head: dict, chat: bool) -> AsyncIterator[str]:
+  """Server-sent events in OpenAI's chunk format: every choice's final text as its batch
+  decodes it (choices interleaved, each chunk naming its index), then its finish reason;
+  the last finish chunk carries the usage; then [DONE]."""
   kind = "chat.completion.chunk" if chat else "text_completion"
   event = lambda body: f"data: {json.dumps({**head, 'object': kind, **body})}\n\n"
 
@@ -246,18 +284,39 @@ async def _stream(service: Service, request, choices: list[texts.Completion], us
       return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
     return {"index": index, "text": piece or "", "logprobs": None, "finish_reason": finish}
 
-  for index, choice in enumerate(choices):
-    if chat:
+  if chat:
+    for index in range(len(streams)):
       yield event({"choices": [choice_chunk(index, None, None, first=True)]})
-    for piece in choice.pieces:
-      if piece:
-        yield event({"choices": [choice_chunk(index, piece, None)]})
-    last = index == len(choices) - 1
-    yield event({"choices": [choice_chunk(index, None, choice.finish_reason)],
-                 **({"usage": usage} if last else {})})
+  pending = set(range(len(streams)))
+  while pending:
+    what, index, *detail = await updates.get()
+    stream = streams[index]
+    if index not in pending:
+      continue  # ended by a stop string before its row finished decoding
+    if what == "tokens":
+      piece = stream.update(*detail)
+    elif detail[0].exception() is not None:
+      # The response has begun (200): the failure is the stream's last event.
+      error = protocol.error(f"The server failed on this request: {detail[0].exception()}",
+                             "server_error", None, None)
+      yield f"data: {json.dumps(error)}\n\n"
+      return
+    else:
+      output = detail[0].result()
+      piece = stream.finish(output.ids, output.logprobs)
+    if piece:
+      yield event({"choices": [choice_chunk(index, piece, None)]})
+    if stream.done:
+      pending.discard(index)
+      usage = {} if pending else {"usage": _usage(prompt_tokens, streams)}
+      yield event({"choices": [choice_chunk(index, None, stream.done.finish_reason)], **usage})
   if (request.stream_options or {}).get("include_usage"):
-    yield event({"choices": [], "usage": usage})
+    yield event({"choices": [], "usage": _usage(prompt_tokens, streams)})
   yield "data: [DONE]\n\n"
+
+
+def _usage(prompt_tokens: int, streams: list[texts.TextStream]) -> dict:
+  return protocol.usage(prompt_tokens, sum(len(s.done.token_ids) for s in streams))
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error",

@@ -1,5 +1,7 @@
-"""One compiled decode for a server's batch: rows of different requests, each with its own
-sampling settings (temperature, top_k, top_p), seed and output limit.
+"""The compiled decode of a server's batch: rows of different requests, each with its own
+sampling settings (temperature, top_k, top_p), seed and output limit, decoded in segments of
+serve.stream_steps tokens (one compiled call fills the KV cache, each further call advances
+every row), so that streaming rows get their tokens while the batch decodes.
 
 Shapes are bucketed so that a running server never compiles: prompts are padded to a power
 of two >= 8 (at most config.max_source_length) and batches to devices x a power of two (at
@@ -13,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
+from absl import logging
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax import decoding
@@ -34,6 +38,11 @@ class Row:
   seed: int = 0
   prompt_index: int = 0
   choice: int = 0
+  # Called from the decoding thread after each segment of serve.stream_steps tokens that
+  # added some to this row, with all of its tokens so far (ids, log-probabilities; EOS
+  # included where it ended): a streamed request's text is sent while its batch decodes.
+  on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = dataclasses.field(
+      default=None, repr=False, compare=False)
 
 
 @dataclasses.dataclass
@@ -55,7 +64,7 @@ def power_of_two_buckets(low: int, high: int) -> list[int]:
 class BatchDecoder:
   """The predictor's model, decoding batches of `Row`s in bucketed shapes."""
 
-  def __init__(self, predictor, max_batch_size: int):
+  def __init__(self, predictor, max_batch_size: int, stream_steps: int = 4):
     self.predictor = predictor
     self.family = predictor.family
     self.layout = predictor.layout
@@ -68,17 +77,27 @@ class BatchDecoder:
     self.length_buckets = sorted({generate.bucket_length(n, config.max_source_length)
                                   for n in range(1, config.max_source_length + 1)})
     self.classifier = not self.family.generates_text
+    self.stream_steps = stream_steps
     if self.classifier:
       self.max_new_tokens = 0
       self._decode = generate.decode_fn(self.family, config.decoding, self.layout,
                                         nbest=self.family.model_config.num_classes)
     else:
       self.max_new_tokens = max_new_tokens(self.family, config)
-      self._decode = self.layout.compile_decode(self._row_decoder(config.decoding))
+      start, advance = self._segment_functions(config.decoding)
+      self._start = self.layout.compile_decode(start)
+      self._advance = self.layout.compile_decode_steps(advance)
 
-  def _row_decoder(self, decoding_config) -> Callable:
-    """(params, prompts [rows, len], per-row settings) -> (ids, token log-probs) [rows, L]."""
-    d, family, length = decoding_config, self.family, self.max_new_tokens
+  def _segment_functions(self, decoding_config) -> tuple[Callable, Callable]:
+    """The two compiled halves of a batch's decode, segment by segment:
+      start(params, prompts [rows, len], per-row settings) -> carried state (the prompts read,
+        the KV cache filled, nothing generated);
+      advance(params, carried, settings) -> (carried, progress): up to stream_steps more tokens
+        per row (decoding.sample_steps: `decoding.sample`'s own loop body), and the outputs so
+        far, `progress` = {step, finished, ids, logprobs} per row.
+    """
+    d, family, length, steps = decoding_config, self.family, self.max_new_tokens, (
+        self.stream_steps)
     end_ids = tuple(d.end_ids)
     # The checkpoint's logits processors (banned ids, min length, ...) apply to every request,
     # as they do in --mode predict.
@@ -88,22 +107,31 @@ class BatchDecoder:
         no_repeat_ngram_size=d.no_repeat_ngram_size, forced_bos_id=d.forced_bos_id,
         forced_eos=d.forced_eos)
 
-    def per_device(params, prompts, rows):
-      cache, tokens_to_logits, start_id = family.start_decoding(params, prompts,
-                                                                prompts.shape[0], length)
+    def start(params, prompts, rows):
+      del rows  # the settings matter from the first token on
+      cache, context, start_id = family.prefill(params, prompts, prompts.shape[0], length)
+      state = decoding.start_sampling(cache, batch_size=prompts.shape[0], bos_id=start_id,
+                                      max_decode_len=length)
+      return state, context
+
+    def advance(params, carried, rows):
+      state, context = carried
       # Keys derived here, in the decoding thread's program: a JAX call on the server's event
       # loop would wait for the batch being decoded.
       keys = jax.vmap(lambda seed, prompt, choice: jax.random.fold_in(
           jax.random.fold_in(jax.random.PRNGKey(seed), prompt), choice))(
               rows["seed"], rows["prompt_index"], rows["choice"])
-      return decoding.sample(
-          cache, tokens_to_logits, keys, batch_size=prompts.shape[0], bos_id=start_id,
-          eos_id=tokenizer_lib.EOS_ID, end_ids=end_ids, max_decode_len=length,
-          temperature=rows["temperature"], top_k=rows["top_k"], top_p=rows["top_p"],
-          row_limits=rows["max_tokens"], return_token_logprobs=True,
+      state = decoding.sample_steps(
+          state, family.step_logits(params, context), keys, steps=steps,
+          eos_id=tokenizer_lib.EOS_ID, end_ids=end_ids, temperature=rows["temperature"],
+          top_k=rows["top_k"], top_p=rows["top_p"], row_limits=rows["max_tokens"],
           logits_processor=processor)
+      step, finished, ids, _, logprobs = decoding.sampling_progress(state)
+      progress = {"step": jnp.broadcast_to(step, finished.shape), "finished": finished,
+                  "ids": ids, "logprobs": logprobs}
+      return (state, context), progress
 
-    return per_device
+    return start, advance
 
   def shapes(self) -> list[tuple[int, int]]:
     """Every (prompt length, rows) bucket a batch can take."""
@@ -136,11 +164,47 @@ class BatchDecoder:
       by_class = np.zeros(scores.shape, np.float32)
       np.put_along_axis(by_class, ids[:, :, 0], scores, axis=1)
       return [Output(np.zeros((0,), np.int32), by_class[i]) for i in range(len(rows))]
-    settings = _settings(rows, count)
-    ids, logprobs = layout.host_rows(self._decode(
-        self.predictor.device_params, layout.eval_batch(prompts), layout.eval_batch(settings)))
-    return [Output(ids[i, :row.max_tokens], logprobs[i, :row.max_tokens])
+    settings = layout.eval_batch(_settings(rows, count))
+    params = self.predictor.device_params
+    carried = self._start(params, layout.eval_batch(prompts), settings)
+    told = [0] * len(rows)  # tokens each row's on_tokens has been given
+    carried, progress = self._advance(params, carried, settings)
+    while True:
+      # The next segment is queued before this one's tokens are read, so that the device does
+      # not wait for the host (after the last one it runs no step: every row has finished).
+      carried, following = self._advance(params, carried, settings)
+      progress = layout.host_rows(progress)
+      for i, row in enumerate(rows):
+        ids, logprobs = _so_far(progress, i, row.max_tokens)
+        if row.on_tokens is not None and len(ids) > told[i]:
+          told[i] = len(ids)
+          _tell(row, ids, logprobs)
+      # Every row stops at its max_tokens (<= max_new_tokens), so the second test is a guard.
+      if progress["finished"][:len(rows)].all() or progress["step"].min() >= (
+          self.max_new_tokens):
+        break
+      progress = following
+    return [Output(progress["ids"][i, :row.max_tokens], progress["logprobs"][i, :row.max_tokens])
             for i, row in enumerate(rows)]
+
+
+def _so_far(progress: dict[str, np.ndarray], i: int, max_tokens: int
+            ) -> tuple[np.ndarray, np.ndarray]:
+  """Row i's tokens decoded so far (through its EOS, within its max_tokens), and their
+  log-probabilities."""
+  ids = progress["ids"][i, :min(int(progress["step"][i]), max_tokens)]
+  ends = np.flatnonzero(ids == tokenizer_lib.EOS_ID)
+  count = ends[0] + 1 if len(ends) else len(ids)
+  return ids[:count], progress["logprobs"][i, :count]
+
+
+def _tell(row: Row, ids: np.ndarray, logprobs: np.ndarray) -> None:
+  """Hands a streaming row its tokens; a listener's failure (a client gone) is not the
+  batch's."""
+  try:
+    row.on_tokens(ids, logprobs)
+  except Exception:  # pylint: disable=broad-except
+    logging.exception("Handing a row its streamed tokens failed.")
 
 
 def _settings(rows: Sequence[Row], count: int) -> dict[str, np.ndarray]:

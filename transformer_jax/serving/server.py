@@ -82,7 +82,7 @@ def run_serve(predictor: predict.Predictor, name: str, host: str = "127.0.0.1",
   serve = serve_config(predictor.config)
   with predictor.config.unlocked():
     predictor.config.serve = serve
-  decoder = batch_decoder.BatchDecoder(predictor, serve.max_batch_size)
+  decoder = batch_decoder.BatchDecoder(predictor, serve.max_batch_size, serve.stream_steps)
   shapes = decoder.shapes()
 
   start = time.perf_counter()

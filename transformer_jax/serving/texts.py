@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from absl import logging
 import numpy as np
 
 from transformer_jax import tokenizer as tokenizer_lib
@@ -132,3 +133,68 @@ def stream_pieces(prefixes: list[str], text: str) -> list[str]:
 def token_strings(tokenizer, ids: Sequence[int]) -> list[str]:
   """Each token as a string (its vocabulary piece), for log-probability listings."""
   return [tokenizer.id_to_piece(i) for i in ids]
+
+
+class TextStream:
+  """A streamed output's text while its tokens arrive: only text that is final is handed out,
+  so that the pieces add up exactly to `completion`'s text of the whole output.
+
+  Held back: a trailing incomplete character (a byte-level or byte-fallback token that ends
+  mid-UTF-8 decodes to U+FFFD until the rest arrives) and the longest end of the text that
+  could begin a stop string (if the string completes, the text ends before it). The output is
+  done at EOS, at max_tokens, or once a stop string is in its text and no stop string still
+  being written could start earlier.
+  """
+
+  def __init__(self, tokenizer, max_tokens: int, stop: Sequence[str] = ()):
+    self.tokenizer = tokenizer
+    self.max_tokens = max_tokens
+    self.stop = [s for s in stop if s]
+    self.shown = ""  # the text handed out so far
+    self.done: Completion | None = None  # the whole output, once it is known
+
+  def update(self, ids: Sequence[int], logprobs: Sequence[float]) -> str:
+    """The new piece of final text, given all the output's tokens so far."""
+    if self.done:
+      return ""
+    ids = [int(i) for i in ids]
+    if tokenizer_lib.EOS_ID in ids or len(ids) >= self.max_tokens:
+      return self._finish(ids, logprobs)
+    text = self.tokenizer.decode(ids)
+    whole = text.rstrip("\ufffd")  # without a character still incomplete
+    unsure = len(whole) - _stop_prefix_length(whole, self.stop)  # a stop may start here
+    found = [text.find(s) for s in self.stop if s in text]
+    if found and min(found) <= unsure:
+      return self._finish(ids, logprobs)
+    return self._extend(whole[:unsure])
+
+  def finish(self, ids: np.ndarray, logprobs: np.ndarray) -> str:
+    """The rest of the text, from the output's final ids (batch_decoder.Output)."""
+    return "" if self.done else self._finish(ids, logprobs)
+
+  def _finish(self, ids, logprobs) -> str:
+    self.done = completion(self.tokenizer, np.asarray(ids), np.asarray(logprobs),
+                           self.max_tokens, self.stop)
+    if not self.done.text.startswith(self.shown):
+      # Text once final changed with later tokens (a tokenizer that rewrites decoded text):
+      # what was sent stays sent.
+      logging.warning("A streamed text changed after it was sent: %r is not a prefix of %r.",
+                      self.shown, self.done.text)
+    return self._extend(self.done.text)
+
+  def _extend(self, text: str) -> str:
+    if len(text) <= len(self.shown) or not text.startswith(self.shown):
+      return ""
+    piece, self.shown = text[len(self.shown):], text
+    return piece
+
+
+def _stop_prefix_length(text: str, stop: Sequence[str]) -> int:
+  """The length of the longest end of `text` that begins some stop string (0: none)."""
+  longest = 0
+  for s in stop:
+    for n in range(min(len(s) - 1, len(text)), longest, -1):
+      if text.endswith(s[:n]):
+        longest = n
+        break
+  return longest
