@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import json
 import time
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -33,21 +32,6 @@ from transformer_jax import families
 from transformer_jax import flops
 from transformer_jax import parallel
 from transformer_jax import train
-
-config_flags.DEFINE_config_file("config", "configs/demo.py", "Model and optimizer config.",
-                                lock_config=True)
-flags.DEFINE_integer("batch_size", 64, "Rows per step (whole machine).")
-flags.DEFINE_integer("seq_len", 32, "Source and target length for training.")
-flags.DEFINE_integer("decode_len", 64, "Tokens generated per row when decoding.")
-flags.DEFINE_integer("decode_batch_size", 32, "Rows decoded at once.")
-flags.DEFINE_integer("steps", 20, "Timed repetitions.")
-flags.DEFINE_integer("warmup", 3, "Untimed repetitions after compilation.")
-flags.DEFINE_bool("decode", True, "Also measure decoding.")
-flags.DEFINE_integer("vocab_size", None, "Overrides config.model.vocab_size.")
-flags.DEFINE_string("profile_dir", None, "Also trace PROFILE_STEPS training steps with "
-                    "jax.profiler into this folder (summary: benchmarks/trace_summary.py).")
-flags.DEFINE_float("peak_tflops", None, "Peak TFLOP/s of one device for the MFU; default: "
-                   "known accelerators' data sheets, or a measured matmul on CPU.")
 
 NEVER = -1  # an EOS id no token has: every row decodes decode_len tokens
 PROFILE_STEPS = 3  # traced after the timed steps, with --profile_dir
@@ -172,6 +156,26 @@ def decode_speed(config, family, batch_size: int, decode_len: int, steps: int,
   return result
 
 
+def define_flags() -> None:
+  """The command line's flags, defined when run as a program only: a library import of this
+  module (train_step_runner, decode_speed) then leaves absl's flags to the importer, e.g.
+  transformer_jax.main, which defines its own --config."""
+  config_flags.DEFINE_config_file("config", "configs/demo.py", "Model and optimizer config.",
+                                  lock_config=True)
+  flags.DEFINE_integer("batch_size", 64, "Rows per step (whole machine).")
+  flags.DEFINE_integer("seq_len", 32, "Source and target length for training.")
+  flags.DEFINE_integer("decode_len", 64, "Tokens generated per row when decoding.")
+  flags.DEFINE_integer("decode_batch_size", 32, "Rows decoded at once.")
+  flags.DEFINE_integer("steps", 20, "Timed repetitions.")
+  flags.DEFINE_integer("warmup", 3, "Untimed repetitions after compilation.")
+  flags.DEFINE_bool("decode", True, "Also measure decoding.")
+  flags.DEFINE_integer("vocab_size", None, "Overrides config.model.vocab_size.")
+  flags.DEFINE_string("profile_dir", None, "Also trace PROFILE_STEPS training steps with "
+                      "jax.profiler into this folder (summary: benchmarks/trace_summary.py).")
+  flags.DEFINE_float("peak_tflops", None, "Peak TFLOP/s of one device for the MFU; default: "
+                     "known accelerators' data sheets, or a measured matmul on CPU.")
+
+
 def main(argv):
   del argv
   f = flags.FLAGS
@@ -206,4 +210,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
