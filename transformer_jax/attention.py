@@ -204,8 +204,8 @@ def _keys_last(x: Array) -> Array:
   """[b, k, n, d] -> [b, n, d, k]: how decoding keeps keys and values (the self-attention
   cache and the source's cross-attention ones), the layout XLA:CPU's score and value matmuls
   read them in. Kept [b, k, n, d] or heads-major [b, n, k, d], each decoding step copied
-  every layer's into it: at batch 1 a third of a GPT-2-size step, at batch 32 half of a
-  t5-small-size one (issue #42, benchmarks/RESULTS.md)."""
+  every layer's into it: at batch 1 a third of a GPT-2-size step, at batch 32 two thirds
+  of a t5-small-size one (issue #42, benchmarks/RESULTS.md)."""
   return jnp.transpose(x, (0, 2, 3, 1))
 
 
