@@ -242,7 +242,7 @@ def _main_in_process(args: list[str], monkeypatch) -> None:
   argv = ["transformer_jax.main", *args]
   monkeypatch.setattr(sys, "argv", argv)  # config_flags reads its overrides there
   handler, was_parsed = logging.get_absl_handler(), flags.FLAGS.is_parsed()
-  filters = list(handler.filters)
+  filters, level = list(handler.filters), logging.get_absl_logger().level
 
   def forget_flags():  # a parse registers a flag per --config.KEY override
     for name in [name for name in flags.FLAGS if name.startswith("config.")]:
@@ -258,6 +258,7 @@ def _main_in_process(args: list[str], monkeypatch) -> None:
     if was_parsed:
       flags.FLAGS.mark_as_parsed()
     handler.filters[:] = filters  # main's log filter reads the flags
+    logging.get_absl_logger().setLevel(level)  # the parse set it from --verbosity
 
 
 @pytest.mark.parametrize("kind", KINDS)
