@@ -239,6 +239,47 @@ def test_a_generation_config_max_length_counts_the_prompt_as_generate_does(folde
   assert all(len(np.trim_zeros(row, "b")) == 10 for row in ten if 1 not in row)
 
 
+
+@pytest.mark.parametrize("kind", ["gemma", "llama"])
+def test_a_bfloat16_checkpoint_is_held_and_run_in_bfloat16(kind, folders, tmp_path):
+  """A checkpoint saved in bfloat16 (as most hub LLMs are), served with
+  config.model.dtype='bfloat16': its weights are held in bfloat16 (half the memory), with the
+  same logits as the same values held in float32, and as near transformers' bfloat16 model as
+  that is to its own float32 one. Computing in float32 holds them in float32."""
+  folder = str(tmp_path / "bf16")
+  transformers.AutoModelForCausalLM.from_pretrained(
+      folders(kind), dtype=torch.bfloat16).save_pretrained(folder)
+  for name in os.listdir(folders(kind)):  # the tokenizer files
+    if not os.path.exists(os.path.join(folder, name)):
+      shutil.copy(os.path.join(folders(kind), name), folder)
+  config = default_config.get_config()
+  config.model.dtype = "bfloat16"
+  predictor = Predictor.from_pretrained(folder, config)
+  params = predictor.layout.checkpoint_state(predictor.device_params)
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+  tokens = jnp.asarray(_rows(predictor, _texts(kind)))
+  apply = lambda p: np.asarray(predictor.family.model.apply({"params": p}, tokens,
+                                                            deterministic=True), np.float32)
+  ours = apply(params)
+  np.testing.assert_array_equal(ours, apply(jax.tree.map(lambda x: x.astype(jnp.float32),
+                                                         params)))
+  vocab = predictor.tokenizer.vocab_map
+  real = np.asarray(tokens) != 0
+  inputs = np.asarray(models.shift_right(tokens, predictor.family.model_config.bos_id))
+  theirs = {}
+  for dtype in (torch.bfloat16, torch.float32):
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    with torch.no_grad():
+      theirs[dtype] = model(input_ids=torch.tensor(vocab.hf(np.where(real, inputs, 1))),
+                            attention_mask=torch.tensor(real)).logits.float().numpy()[real]
+  ours = ours[..., vocab.internal(np.arange(vocab.checkpoint_size))][real]
+  rounding = np.abs(theirs[torch.bfloat16] - theirs[torch.float32]).mean()
+  assert np.abs(ours - theirs[torch.bfloat16]).mean() < 2 * rounding
+  assert (ours.argmax(-1) == theirs[torch.bfloat16].argmax(-1)).mean() > 0.9
+  float32 = Predictor.from_pretrained(folder)
+  assert {x.dtype for x in jax.tree.leaves(float32.layout.checkpoint_state(
+      float32.device_params))} == {jnp.dtype(jnp.float32)}
+
 # Hub config.json files as older transformers wrote them (the keys that matter here), and the
 # fields they must import as.
 _HUB_CONFIGS = {

@@ -111,9 +111,13 @@ class Predictor:
     tokenizer = run_config.tokenizer(checkpoint.folder, checkpoint.vocab, config)
     boxed = jax.eval_shape(functools.partial(families.get(config).init_params, boxed=True),
                            jax.random.PRNGKey(0))
-    params = checkpoint_lib.read_params(checkpoint, parallel.unbox(boxed))
-    if adapter:
-      params = _with_adapter(params, adapter, checkpoint, config)
+    # A bfloat16 checkpoint served with config.model.dtype='bfloat16' is held in bfloat16.
+    dtype = checkpoint_lib.held_dtype(checkpoint, config.model.dtype)
+    params = checkpoint_lib.read_params(checkpoint, parallel.unbox(boxed),
+                                        dtype=np.float32 if adapter else dtype)
+    if adapter:  # merged in float32, then held as the plain checkpoint would be
+      params = jax.device_get(lora_lib.cast(
+          _with_adapter(params, adapter, checkpoint, config), dtype))
     missing = checkpoint_lib.missing_params(params, parallel.unbox(boxed))
     if missing:
       raise checkpoint_lib.PretrainedError(

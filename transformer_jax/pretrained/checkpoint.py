@@ -4,7 +4,8 @@
 `huggingface_hub` when online), reads config.json and generation_config.json and translates
 them; `read_params(checkpoint)` reads model.safetensors (one file or an indexed set of
 shards) in the safetensors format into numpy, a few tensors at a time, and returns this project's
-parameter tree (float32, whatever the file's dtype). No torch is needed.
+parameter tree (float32 whatever the file's dtype, or the file's 16-bit dtype where the model
+computes in it: `held_dtype`). No torch is needed.
 
 The architecture modules, what each offers and the registry of them: architecture.py.
 """
@@ -18,6 +19,7 @@ import os
 from types import ModuleType
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax import checkpoints
@@ -248,6 +250,15 @@ class _Tensors:
     return list(self._where)
 
   @property
+  def float_dtype(self) -> np.dtype:
+    """The floating dtype that holds most of the values (float32 if there are none)."""
+    counts: dict = {}
+    for info in self._where.values():
+      if jnp.issubdtype(info.dtype, jnp.floating):  # numpy's own test misses bfloat16
+        counts[info.dtype] = counts.get(info.dtype, 0) + math.prod(info.shape)
+    return np.dtype(max(counts, key=counts.get)) if counts else np.dtype(np.float32)
+
+  @property
   def num_values(self) -> int:
     """How many values all the tensors hold together."""
     return sum(math.prod(info.shape) for info in self._where.values())
@@ -278,9 +289,21 @@ def _is_tied(tensors: _Tensors, module: ModuleType) -> bool:
   return embedding in tensors and np.array_equal(tensors[output], tensors[embedding])
 
 
-def read_params(checkpoint: Checkpoint, expected=None, *, reset_head: bool = False) -> dict:
-  """This project's parameter tree (numpy float32) of the checkpoint's weights; checked
-  against `expected` (the model's parameter shapes, e.g. from `jax.eval_shape`) if given.
+def held_dtype(checkpoint: Checkpoint, compute_dtype) -> np.dtype:
+  """The dtype to hold a served checkpoint's weights in: its own 16-bit dtype where the model
+  computes in that dtype (every kernel is cast to it at use anyway, and a 16-bit file's values
+  are exact in either, so the outputs are the same with half the memory), else float32."""
+  stored = _Tensors(checkpoint.folder).float_dtype
+  if stored.itemsize == 2 and stored == np.dtype(compute_dtype):
+    return stored
+  return np.dtype(np.float32)
+
+
+def read_params(checkpoint: Checkpoint, expected=None, *, reset_head: bool = False,
+                dtype=np.float32) -> dict:
+  """This project's parameter tree (numpy, floating leaves in `dtype`) of the checkpoint's
+  weights; checked against `expected` (the model's parameter shapes, e.g. from
+  `jax.eval_shape`) if given.
 
   The tree may lack parameters the checkpoint does not hold (a bare encoder's classification
   head, or with `reset_head` a head that is to be trained anew): `missing_params` lists them.
@@ -292,7 +315,7 @@ def read_params(checkpoint: Checkpoint, expected=None, *, reset_head: bool = Fal
     table = [entry for entry in table if entry.path[0] != "head"]
   _check_table(table, tensors, expected, checkpoint)
   try:
-    params = mapping.build_params(table, tensors.__getitem__, checkpoint.shapes())
+    params = mapping.build_params(table, tensors.__getitem__, checkpoint.shapes(), dtype)
   except ValueError as e:  # a reshape of a tensor of another size
     if isinstance(e, PretrainedError):
       raise
