@@ -80,7 +80,7 @@ for architecture, mode, method in [
   results[f"{architecture}/{mode}/{method}"] = {
       "same": all(outputs[n] == outputs[64][:n] for n in (1, 3, 8)),
       "distinct_outputs": len({json.dumps(o) for o in outputs[64]}),
-      "buckets": sorted(r for _, r in next(iter(generator._decoders.values())).programs)}
+      "buckets": sorted({key[1] for key in next(iter(generator._decoders.values())).programs})}
 print(json.dumps(results))
 """
 

@@ -228,8 +228,9 @@ class DecoderStack(nn.Module):
 
   `positions` [b, len] (packed rows) matter only for a relative position bias, rotary
   embeddings or a sliding window; while decoding, the cache counts positions instead, less
-  each row's `decode_offset` [b] (see layers.PositionEmbedding). `prefix_fill`: the tokens
-  fed while decoding are a prefix LM's prompt, read both ways.
+  each row's `decode_offset` [b] (see layers.PositionEmbedding), unless they are given
+  (packed prompts filling a cache). `prefix_fill`: the tokens fed while decoding are a prefix
+  LM's prompt, read both ways.
   """
   config: TransformerConfig
 
@@ -275,6 +276,8 @@ class DecoderStack(nn.Module):
       positions = _stack_positions(length, positions)
       return positions, positions if keyed else None
     index, new = self._decode_positions(y.shape[0], length, decode_offset)
+    if positions is not None:  # packed prompts filling a cache (prompt_packing.py)
+      new = jnp.broadcast_to(positions, new.shape).astype(jnp.int32)
     if not keyed:
       return new, None
     initialized = self.has_variable("cache", "cached_positions")

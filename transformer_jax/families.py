@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from transformer_jax import attention
 from transformer_jax import decoding
 from transformer_jax import default_config
 from transformer_jax import family_base
@@ -27,6 +28,7 @@ from transformer_jax import flops
 from transformer_jax import generate
 from transformer_jax import model_schema
 from transformer_jax import models
+from transformer_jax import prompt_packing
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax.data import directions
 from transformer_jax.data import pipeline
@@ -228,11 +230,20 @@ class EncoderDecoder(family_base.SequenceFamily):
     return weights, {"encoder_self": (prompt, prompt), "decoder_self": (output, decoder_inputs),
                      "cross": (output, prompt)}
 
-  def prefill(self, params, inputs, rows, max_len):
+  def prefill(self, params, inputs, rows, max_len, packing=None):
     # Beams and samples share their source's encoder output and cross-attention keys/values:
     # nothing per source is copied per row.
     model = self.model
-    encoded = model.apply({"params": params}, inputs, deterministic=True, method=model.encode)
+    if packing is None:
+      encoded = model.apply({"params": params}, inputs, deterministic=True,
+                            method=model.encode)
+    else:
+      places, packed_rows = packing
+      tokens, segments, positions = prompt_packing.pack(inputs, places, packed_rows)
+      packed = model.apply({"params": params}, tokens, positions, segments, deterministic=True,
+                           method=model.encode)  # [packed rows, len, emb]
+      encoded = jnp.moveaxis(prompt_packing.unpack(jnp.moveaxis(packed, 1, -1), places,
+                                                   inputs != 0), -1, 1)
     cache = self.init_cache(inputs.shape[0], inputs.shape[1], max_len)
     return cache, self._context(params, encoded, inputs), self.model_config.bos_id
 
@@ -373,14 +384,15 @@ class DecoderOnly(family_base.SequenceFamily):
                                    deterministic=True, decode=True)
     return family_base.zeros(jax.eval_shape(init)["cache"])
 
-  def prefill(self, params, inputs, rows, max_len):
+  def prefill(self, params, inputs, rows, max_len, packing=None):
     """Fills the KV cache with the right-padded prompts `SOURCE <eos>` [b, P].
 
     The cache holds `<bos> SOURCE` (the training input up to the EOS), so decoding starts by
     feeding EOS, whose logits predict the first target token, exactly as in training. Raw and
     chat prompts are read as they are: the cache holds all but each prompt's last token,
     which decoding starts from. Padding slots are masked out and each row's positions
-    continue from its own prompt length.
+    continue from its own prompt length. With `packing` the prompts fill a cache of packed
+    rows, whose slots are then moved to each prompt's own row.
     """
     model = self.model
     batch_size, prompt_len = inputs.shape
@@ -394,14 +406,40 @@ class DecoderOnly(family_base.SequenceFamily):
     cache_mask = jnp.concatenate([filled != 0, jnp.ones((batch_size, max_len), bool)], axis=1)
     cache_mask = cache_mask[:, None, None, :]  # [b, 1, 1, P + max_len]
     offset = prompt_len - jnp.sum(filled != 0, axis=1)  # [b]: padding slots before decoding
-    cache = self.init_cache(batch_size, prompt_len + max_len)
-    _, variables = model.apply({"params": params, "cache": cache}, filled, deterministic=True,
-                               decode=True, cache_mask=cache_mask, prefix_fill=True,
-                               mutable=["cache"])
+    if packing is None:
+      cache = self.init_cache(batch_size, prompt_len + max_len)
+      _, variables = model.apply({"params": params, "cache": cache}, filled,
+                                 deterministic=True, decode=True, cache_mask=cache_mask,
+                                 prefix_fill=True, mutable=["cache"])
+      cache = variables["cache"]
+    else:
+      cache = self._packed_fill(params, filled, packing, max_len)
     if rows != batch_size:  # the callback sees [batch * copies] rows
       cache_mask = decoding.flat_batch_beam_expand(cache_mask, rows // batch_size)
       offset = decoding.flat_batch_beam_expand(offset, rows // batch_size)
-    return variables["cache"], {"cache_mask": cache_mask, "offset": offset}, start
+    return cache, {"cache_mask": cache_mask, "offset": offset}, start
+
+  def _packed_fill(self, params, filled, packing, max_len):
+    """The cache of `prefill` for prompts `filled` [b, P], filled packed: each packed row's
+    prompts see only themselves, at their own positions; then each prompt's cached slots go to
+    its row, and the slots after them stay empty for decoding."""
+    places, packed_rows = packing
+    batch_size, prompt_len = filled.shape
+    tokens, segments, positions = prompt_packing.pack(filled, places, packed_rows)
+    _, variables = self.model.apply(
+        {"params": params, "cache": self.init_cache(packed_rows, prompt_len)}, tokens,
+        positions, deterministic=True, decode=True,
+        cache_mask=attention.segment_mask(segments, segments), prefix_fill=True,
+        mutable=["cache"])
+    expected = jax.eval_shape(lambda: self.init_cache(batch_size, prompt_len + max_len))
+
+    def to_rows(packed, like):
+      if not packed.ndim:  # the counters of slots filled: prompt_len, as unpacked
+        return packed
+      rows = prompt_packing.unpack(packed, places, filled != 0)  # [b, ..., P]
+      return jnp.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, like.shape[-1] - prompt_len)])
+
+    return jax.tree.map(to_rows, variables["cache"], expected)
 
   def step_logits(self, params, context):
     model = self.model
@@ -462,9 +500,9 @@ class EncoderClassifier(family_base.Family):
       raise ValueError(f"nbest={nbest}: the classifier has only "
                        f"{self.model_config.num_classes} classes.")
 
-  def decode(self, params, inputs, rng, *, decoding_config, nbest=1):
+  def decode(self, params, inputs, rng, *, decoding_config, nbest=1, packing=None):
     """([b, nbest, 1] class ids, [b, nbest] log-probabilities), most likely first."""
-    del rng, decoding_config
+    del rng, decoding_config, packing  # one label per prompt: nothing is packed
     logits = self.model.apply({"params": params}, inputs, deterministic=True)
     scores, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32)), nbest)
     return ids[:, :, None], scores

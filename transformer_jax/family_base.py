@@ -31,6 +31,7 @@ class Family(abc.ABC):
   # then counts the prompt too.
   continues_prompt = False
   num_model_inputs = 1  # token arrays the model's __call__ takes
+  packs_prompts = False  # whether `decode` reads prompts packed (prompt_packing.py)
 
   def __init__(self, config: ml_collections.ConfigDict):
     self.config = config
@@ -128,8 +129,10 @@ class Family(abc.ABC):
 
   @abc.abstractmethod
   def decode(self, params, inputs: Array, rng: Array, *,
-             decoding_config: ml_collections.ConfigDict, nbest: int = 1):
-    """[b, src_len] prompts -> ([b, nbest, len] output ids, [b, nbest] scores), best first."""
+             decoding_config: ml_collections.ConfigDict, nbest: int = 1, packing=None):
+    """[b, src_len] prompts -> ([b, nbest, len] output ids, [b, nbest] scores), best first.
+    `packing`: (places [b, 2], packed rows) of prompt_packing.place, for families that
+    `pack_prompts`; None: every prompt in its own row."""
 
   def output_text(self, ids: Sequence[int], tokenizer: tokenizer_lib.Tokenizer) -> str:
     """An output's text: detokenized ids (a classifier: the label name)."""
@@ -147,12 +150,14 @@ class Family(abc.ABC):
 
 class SequenceFamily(Family):
   """A family that generates text token by token from a KV cache."""
+  packs_prompts = True
 
-  def decode(self, params, inputs, rng, *, decoding_config, nbest=1):
+  def decode(self, params, inputs, rng, *, decoding_config, nbest=1, packing=None):
     inputs, forced_first, row_starts = self.split_prompt(inputs)
     max_len = self.max_decode_len(decoding_config, inputs.shape[1])
     rows = inputs.shape[0] * generate.copies(decoding_config, nbest)
-    cache, tokens_to_logits, start_id = self.start_decoding(params, inputs, rows, max_len)
+    cache, tokens_to_logits, start_id = self.start_decoding(params, inputs, rows, max_len,
+                                                            packing)
     start_id = start_id if row_starts is None else row_starts
     return generate.search(cache, tokens_to_logits, rng, start_id=start_id,
                            batch_size=inputs.shape[0], decoding_config=decoding_config,
@@ -175,16 +180,17 @@ class SequenceFamily(Family):
     forces one, or every row starts from `start_decoding`'s)."""
     return inputs, None, None
 
-  def start_decoding(self, params, inputs: Array, rows: int, max_len: int):
+  def start_decoding(self, params, inputs: Array, rows: int, max_len: int, packing=None):
     """(cache, tokens_to_logits over `rows` flat rows, first token) for `inputs` [b, len]."""
-    cache, context, start_id = self.prefill(params, inputs, rows, max_len)
+    cache, context, start_id = self.prefill(params, inputs, rows, max_len, packing)
     return cache, self.step_logits(params, context), start_id
 
   @abc.abstractmethod
-  def prefill(self, params, inputs: Array, rows: int, max_len: int):
+  def prefill(self, params, inputs: Array, rows: int, max_len: int, packing=None):
     """(cache, context, first token): `start_decoding` with its callback's inputs (encoder
     output, masks: arrays) returned as `context`, so that a decode split into several compiled
-    calls (a server streaming tokens) can carry them from one call to the next."""
+    calls (a server streaming tokens) can carry them from one call to the next. `packing`:
+    `decode`'s; the prompts are read packed, with the same results per row."""
 
   @abc.abstractmethod
   def step_logits(self, params, context):

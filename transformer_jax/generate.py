@@ -22,6 +22,7 @@ import numpy as np
 
 from transformer_jax import decoding
 from transformer_jax import parallel
+from transformer_jax import prompt_packing
 from transformer_jax import tokenizer as tokenizer_lib
 
 Array = jax.Array
@@ -133,28 +134,36 @@ MAX_PROGRAMS = 32
 
 
 def decode_fn(family, decoding_config: ml_collections.ConfigDict, layout=None, nbest: int = 1):
-  """(placed params, placed inputs [rows, len], placed row keys [rows]) -> (output ids
-  [.., nbest, len] ([.., nbest, 1] class ids for a classifier), scores [.., nbest]), compiled
-  by `layout` (default pmap) once per (source length, rows), the most recent MAX_PROGRAMS
-  kept. Each row samples with its own key (`row_keys`), wherever the layout puts it."""
+  """(placed params, placed inputs [rows, len], placed row keys [rows], placed places [rows, 2]
+  or None, packed rows) -> (output ids [.., nbest, len] ([.., nbest, 1] class ids for a
+  classifier), scores [.., nbest]), compiled by `layout` (default pmap) once per (source
+  length, rows, packed rows), the most recent MAX_PROGRAMS kept. Each row samples with its own
+  key (`row_keys`), wherever the layout puts it; `places` and packed rows pack the prompts
+  (prompt_packing.place), the same outputs from a prefill of fewer rows."""
   layout = layout or parallel.DataParallel()
-  compiled: collections.OrderedDict = collections.OrderedDict()  # by (source length, rows)
+  compiled: collections.OrderedDict = collections.OrderedDict()  # by the key above
 
-  def per_device(params, inputs, keys):
-    return family.decode(params, inputs, keys, decoding_config=decoding_config, nbest=nbest)
+  def per_device(params, inputs, keys, places, packed_rows):
+    packing = None if places is None else (places, packed_rows)
+    return family.decode(params, inputs, keys, decoding_config=decoding_config, nbest=nbest,
+                         packing=packing)
 
-  def run(device_params, device_inputs, device_keys):
-    shape = (device_inputs.shape[-1], rows_of(device_inputs))
+  def run(device_params, device_inputs, device_keys, device_places=None, packed_rows=0):
+    shape = (device_inputs.shape[-1], rows_of(device_inputs), packed_rows)
     if shape not in compiled:
-      logging.info("Compiling decoding (%s, %d-best) for %d rows of %d source tokens.",
-                   getattr(decoding_config, "method", "-"), nbest, shape[1], shape[0])
-      compiled[shape] = layout.compile_decode(per_device)
+      logging.info("Compiling decoding (%s, %d-best) for %d rows of %d source tokens%s.",
+                   getattr(decoding_config, "method", "-"), nbest, shape[1], shape[0],
+                   f", prompts packed in {packed_rows} rows" if packed_rows else "")
+      compiled[shape] = layout.compile_decode(
+          lambda params, inputs, keys, places: per_device(params, inputs, keys, places,
+                                                          packed_rows))
       if len(compiled) > MAX_PROGRAMS:
         compiled.popitem(last=False)
     compiled.move_to_end(shape)
-    return compiled[shape](device_params, device_inputs, device_keys)
+    return compiled[shape](device_params, device_inputs, device_keys, device_places)
 
-  run.programs = compiled  # inspection: the (source length, rows) buckets compiled so far
+  run.programs = compiled  # inspection: the (source length, rows, packed rows) compiled so far
+  run.packs_prompts = family.packs_prompts
   return run
 
 
@@ -214,22 +223,34 @@ def generate_ids(p_decode, device_params, prompts: Sequence[np.ndarray], max_len
   decode, as in transformers' `generate` (one decode per length bucket instead cost a call of
   32 mixed-length sentences four loops of 32 steps; benchmarks/RESULTS.md, issue #42), and a
   long evaluation pads each prompt little. Every batch of a call has the same rows, the
-  batch bucket of the call's size (one program per length bucket). Each input samples with
-  the key of its place in the call (`input_keys`), so no two share random numbers."""
+  batch bucket of the call's size (one program per length bucket). The sorted prompts are
+  dealt to the parts of the batch that programs decode apart (devices under pmap) in turn, so
+  that each part packs as well as the others (prompt_packing.py). Each input samples with the
+  key of its place in the call (`input_keys`), so no two share random numbers."""
   layout = layout or parallel.DataParallel()
   order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
   rows = batch_bucket(min(len(prompts), batch_size), batch_size, layout.eval_devices)
+  parts = layout.decode_parts
   outputs: list = [None] * len(prompts)
   for start in range(0, len(order), batch_size):
     chosen = order[start:start + batch_size]
     length = bucket_length(len(prompts[chosen[-1]]), max_len)  # the longest is last
+    # The k-th prompt's row: part k % parts, the (k // parts)-th row of that part.
+    row_of = [(k % parts) * (rows // parts) + k // parts for k in range(len(chosen))]
     sources = np.zeros((rows, length), np.int32)
-    for row, i in enumerate(chosen):
+    inputs_by_row = np.zeros(rows, np.int64)  # padding rows: any key (dropped)
+    for row, i in zip(row_of, chosen):
       sources[row, :len(prompts[i])] = prompts[i]
-    keys = input_keys(seed, chosen, rows, batch_size)
-    tokens, scores = layout.host_rows(p_decode(device_params, layout.eval_batch(sources),
-                                               layout.eval_batch(keys)))
-    for row, i in enumerate(chosen):
+      inputs_by_row[row] = i
+    keys = input_keys(seed, inputs_by_row, rows, batch_size)
+    places, packed_rows = None, 0
+    if getattr(p_decode, "packs_prompts", False):
+      places, packed_rows = prompt_packing.place(np.count_nonzero(sources, axis=1), parts,
+                                                 length)
+    tokens, scores = layout.host_rows(p_decode(
+        device_params, layout.eval_batch(sources), layout.eval_batch(keys),
+        None if places is None else layout.eval_batch(places), packed_rows))
+    for row, i in zip(row_of, chosen):
       outputs[i] = (tokens[row], scores[row])
   return outputs
 

@@ -292,7 +292,8 @@ class PositionEmbedding(nn.Module):
   and keys instead).
 
   Positions are explicit for packed examples (`positions`), 0..len-1 otherwise. In decode mode
-  a cache counter gives the absolute position of the tokens fed in this call.
+  a cache counter gives the absolute position of the tokens fed in this call (unless they are
+  given: packed prompts filling a cache).
   """
   max_len: int
   kind: str = "sinusoidal"  # or "sinusoidal_halves", "sinusoidal_t2t", "learned", ...
@@ -327,9 +328,10 @@ class PositionEmbedding(nn.Module):
       initialized = self.has_variable("cache", "position_index")
       index = self.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
       if initialized:
-        positions = (index.value + jnp.arange(length))[None, :]
-        if decode_offset is not None:
-          positions = positions - decode_offset[:, None]
+        if positions is None:  # given: a packed prompt fill (prompt_packing.py)
+          positions = (index.value + jnp.arange(length))[None, :]
+          if decode_offset is not None:
+            positions = positions - decode_offset[:, None]
         index.value = index.value + length
     if positions is None:
       positions = jnp.arange(length)[None, :]

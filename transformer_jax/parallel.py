@@ -81,6 +81,11 @@ class DataParallel:
     """Devices an evaluation batch is split over (each process evaluates all examples)."""
     return len(self.devices)
 
+  @property
+  def decode_parts(self) -> int:
+    """Parts of a decode's rows that each run a program of their own: one per device."""
+    return len(self.devices)
+
   def place_state(self, tree: Any) -> Any:
     """One copy of `tree` (host or single-device arrays) on every local device (leading axis
     = local device), never sharing the input's buffers.
@@ -157,6 +162,11 @@ class MeshParallel:
   @property
   def eval_devices(self) -> int:
     return self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+
+  @property
+  def decode_parts(self) -> int:
+    """One program decodes all rows: they are one part."""
+    return 1
 
   def _sharding(self, leaf, logical: P) -> NamedSharding:
     """The rules' sharding of one array; a dimension that does not divide stays whole."""
