@@ -305,6 +305,35 @@ def test_samples_follow_the_filtered_distribution(temperature, top_p, top_k):
   assert np.all(counts[expected == 0] == 0)
 
 
+def test_categorical_inverts_the_cumulative_distribution_across_blocks():
+  """600 tokens (three blocks of 256, the last padded), a third of them filtered out, some at
+  block edges: u in (0, 1] maps to the first token whose cumulative probability reaches it,
+  never to a filtered one; and draws follow softmax as jax.random.categorical's do."""
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=600).astype(np.float32)
+  logits[rng.permutation(600)[:200]] = decoding.NEG_INF
+  logits[[0, 255, 256, 511, 512, 599]] = decoding.NEG_INF
+  probs = np.exp(logits - logits.max())
+  probs /= probs.sum()
+  cumulative = np.cumsum(probs.astype(np.float64))
+  kept = np.flatnonzero(probs)
+  middles = cumulative[kept] - probs[kept] / 2  # inside token k's share: k
+  u = np.concatenate([middles, [1e-30, 1.0], rng.random(1000)])
+  tokens = np.asarray(decoding._invert_cdf(jnp.tile(logits, (len(u), 1)),  # pylint: disable=protected-access
+                                           jnp.asarray(u, jnp.float32)))
+  assert (probs[tokens] > 0).all()
+  np.testing.assert_array_equal(tokens[:len(kept)], kept)
+  assert tokens[len(kept)] == kept[0] and tokens[len(kept) + 1] == kept[-1]
+  # Elsewhere u lies in the drawn token's share, up to float32 sums.
+  assert (cumulative[tokens] - probs[tokens] - 1e-5 <= u).all()
+  assert (u <= cumulative[tokens] + 1e-5).all()
+  keys = jax.random.split(jax.random.PRNGKey(0), 40000)
+  small = np.log(np.array([0.1, 0.05, 0.4, 0.3, 0.15], np.float32))
+  draws = np.asarray(jax.vmap(decoding.categorical, in_axes=(0, None))(keys, jnp.asarray(small)))
+  np.testing.assert_allclose(np.bincount(draws, minlength=5) / len(draws), np.exp(small),
+                             atol=0.01)
+
+
 def test_num_decodes_with_prompt_returns_ranked_samples_and_their_logprobs():
   vocab, length, n = 6, 4, 5
   tables = _random_tables(6, 3, vocab, length)

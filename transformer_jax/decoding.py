@@ -299,6 +299,42 @@ def first_argmax(logits: Array) -> Array:
   return jnp.minimum(jnp.min(ids, axis=-1), vocab - 1)  # NaN logits: the last id
 
 
+# Tokens per block of `categorical`'s two-level search.
+_CDF_BLOCK = 256
+
+
+def categorical(key: Array, logits: Array) -> Array:
+  """int32 ids [...] drawn from softmax(logits [..., vocab]): the distribution of
+  jax.random.categorical (other draws), from one uniform number per row where it draws a
+  Gumbel number per token (50k random numbers per row per step, most of a CPU sampling step at
+  batch 32: benchmarks/RESULTS.md, issue #42). The number is looked up in the cumulative
+  distribution, first among blocks of _CDF_BLOCK tokens, then within its block; tokens of zero
+  probability (filtered to NEG_INF) are never drawn."""
+  return _invert_cdf(logits, 1.0 - jax.random.uniform(key, logits.shape[:-1]))  # (0, 1]
+
+
+def _invert_cdf(logits: Array, u: Array) -> Array:
+  """The first token whose cumulative probability reaches `u` [...] in (0, 1]."""
+  vocab = logits.shape[-1]
+  block = min(_CDF_BLOCK, vocab)
+  weights = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+  weights = jnp.pad(weights, [(0, 0)] * (weights.ndim - 1) + [(0, -vocab % block)])
+  weights = weights.reshape(*weights.shape[:-1], -1, block)  # [..., blocks, block]
+  sums = jnp.sum(weights, axis=-1)
+  ends = jnp.cumsum(sums, axis=-1)  # [..., blocks]
+  target = u * ends[..., -1]
+  # The first block whose end reaches the target: one of non-zero mass.
+  chosen = jnp.minimum(jnp.sum(ends < target[..., None], axis=-1), sums.shape[-1] - 1)
+  at = lambda x: jnp.take_along_axis(x, chosen[..., None], axis=-1)[..., 0]
+  # Where the target lies in that block, (0, 1] of its mass (rounding kept inside).
+  fraction = jnp.clip((target - (at(ends) - at(sums))) / at(sums), jnp.finfo(jnp.float32).tiny,
+                      1.0)
+  inside = jnp.cumsum(jnp.take_along_axis(weights, chosen[..., None, None], axis=-2)[..., 0, :],
+                      axis=-1)  # [..., block]
+  within = jnp.sum(inside < (fraction * inside[..., -1])[..., None], axis=-1)
+  return (chosen * block + within).astype(jnp.int32)
+
+
 def token_logprob(logits: Array, token: Array) -> Array:
   """float32 [n]: log_softmax(logits)[row, token[row]], computed as jax.nn.log_softmax does
   (the same bits) without writing out the whole [n, vocab] log-softmax."""
@@ -494,11 +530,11 @@ def _row_sampler(rng: Array, batch_size: int, copies: int):
   whole batch, or from `rng`'s key per input row (row b's copy c: fold_in(rng[b], c))."""
   typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
   if jnp.ndim(rng) == (0 if typed else 1):
-    return lambda scaled, step: jax.random.categorical(jax.random.fold_in(rng, step), scaled)
+    return lambda scaled, step: categorical(jax.random.fold_in(rng, step), scaled)
   copy_keys = jax.vmap(lambda key: jax.vmap(lambda c: jax.random.fold_in(key, c))(
       jnp.arange(copies)))(rng)  # [batch, copies] keys
   flat = copy_keys.reshape((batch_size * copies,) + copy_keys.shape[2:])
-  one = lambda key, step, logits: jax.random.categorical(jax.random.fold_in(key, step), logits)
+  one = lambda key, step, logits: categorical(jax.random.fold_in(key, step), logits)
   return lambda scaled, step: jax.vmap(one, in_axes=(0, None, 0))(flat, step, scaled)
 
 
