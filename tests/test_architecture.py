@@ -209,7 +209,8 @@ def test_sampling_keys_differ_across_length_buckets():
   key (before, every bucket's first batch reused fold_in(seed, 0))."""
   keys = []
 
-  def p_decode(params, inputs, rng):
+  def p_decode(params, inputs, rng, places, packed_rows):
+    del places, packed_rows  # no packing: not asked for (no packs_prompts attribute)
     keys.append(np.asarray(jax.random.key_data(rng)) if jnp.issubdtype(
         rng.dtype, jax.dtypes.prng_key) else np.asarray(rng))
     return np.zeros((1, inputs.shape[1], 1, 1), np.int32), np.zeros((1, inputs.shape[1], 1))
@@ -228,7 +229,9 @@ import jax, jax.numpy as jnp, numpy as np
 from transformer_jax import generate, parallel
 
 class RandomFamily:  # outputs random bits: rows that share a key give equal outputs
-  def decode(self, params, inputs, keys, *, decoding_config, nbest):
+  packs_prompts = False
+
+  def decode(self, params, inputs, keys, *, decoding_config, nbest, packing):
     bits = jax.vmap(lambda key: jax.random.bits(key, (nbest, 1), jnp.uint32))(keys)
     return bits.astype(jnp.int32), jnp.zeros((inputs.shape[0], nbest))
 

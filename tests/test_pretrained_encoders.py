@@ -19,6 +19,7 @@ import pytest
 from tests import cli
 from tests import hf_fixtures
 from tests.conftest import make_tiny_config
+from transformer_jax import commands
 from transformer_jax import default_config
 from transformer_jax import model_schema
 from transformer_jax import models
@@ -371,8 +372,7 @@ def test_classifier_fine_tunes_and_exports(kind, num_classes, architecture, fold
   assert last["loss"] < first["loss"]
 
   output = str(tmp_path / "exported")
-  result = cli.run(workdir, "--mode", "export", "--output", output)
-  assert result.returncode == 0, result.stderr[-3000:]
+  commands.run_export(workdir, output)  # --mode export (its command line: test_pretrained_workflow)
   reloaded = transformers.AutoModelForSequenceClassification.from_pretrained(output).eval()
   assert type(reloaded).__name__ == architecture
   assert list(reloaded.config.id2label.values()) == config.label_names  # the run's labels
@@ -547,8 +547,7 @@ def test_decoder_only_checkpoints_fine_tune_and_export(kind, folders, tmp_path, 
   assert np.isfinite(last["loss"]) and last["loss"] < first["loss"]
 
   output = str(tmp_path / "exported")
-  result = cli.run(workdir, "--mode", "export", "--output", output)
-  assert result.returncode == 0, result.stderr[-3000:]
+  commands.run_export(workdir, output)  # --mode export, in this process
   predictor = Predictor.from_workdir(workdir)
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(output).eval()
   # The added pad left out of the export.
