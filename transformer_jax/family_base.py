@@ -132,7 +132,7 @@ class Family(abc.ABC):
              decoding_config: ml_collections.ConfigDict, nbest: int = 1, packing=None):
     """[b, src_len] prompts -> ([b, nbest, len] output ids, [b, nbest] scores), best first.
     `packing`: (places [b, 2], packed rows) of prompt_packing.place, for families that
-    `pack_prompts`; None: every prompt in its own row."""
+    `packs_prompts`; None: every prompt in its own row."""
 
   def output_text(self, ids: Sequence[int], tokenizer: tokenizer_lib.Tokenizer) -> str:
     """An output's text: detokenized ids (a classifier: the label name)."""
