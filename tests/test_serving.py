@@ -86,12 +86,22 @@ MIN_LENGTH = "--config.decoding.min_length=3"
 
 
 @pytest.fixture(scope="module")
-def seq2seq(workdir):
-  # Few compiled shapes: prompts of 8, 16, 24 tokens x batches of 1, 2, 4 rows.
-  server = Server("--workdir", workdir, MIN_LENGTH, max_batch_size=4)
-  yield server
-  server.process.kill()
-  print(server.process.output()[1][-5000:])  # shown where a test failed
+def _seq2seq_servers(workdir):
+  servers = []
+  yield servers
+  for server in servers:
+    server.process.kill()
+    print(server.process.output()[1][-5000:])  # shown where a test failed
+
+
+@pytest.fixture
+def seq2seq(_seq2seq_servers, workdir):
+  """The module's server, or a new one where a test stopped it: the SIGTERM test stops it, and
+  xdist's worksteal may hand a worker tests of this module after that one."""
+  if not _seq2seq_servers or _seq2seq_servers[-1].process.poll() is not None:
+    # Few compiled shapes: prompts of 8, 16, 24 tokens x batches of 1, 2, 4 rows.
+    _seq2seq_servers.append(Server("--workdir", workdir, MIN_LENGTH, max_batch_size=4))
+  return _seq2seq_servers[-1]
 
 
 @pytest.fixture(scope="module")
