@@ -17,7 +17,6 @@ is the process's high-water mark (VmHWM), also given above its resident set befo
 (the Python + JAX baseline).
 """
 
-
 import argparse
 import json
 import os

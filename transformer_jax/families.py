@@ -424,22 +424,20 @@ class DecoderOnly(family_base.SequenceFamily):
     prompts see only themselves, at their own positions; then each prompt's cached slots go to
     its row, and the slots after them stay empty for decoding."""
     places, packed_rows = packing
-    batch_size, prompt_len = filled.shape
     tokens, segments, positions = prompt_packing.pack(filled, places, packed_rows)
     _, variables = self.model.apply(
-        {"params": params, "cache": self.init_cache(packed_rows, prompt_len)}, tokens,
+        {"params": params, "cache": self.init_cache(packed_rows, filled.shape[1])}, tokens,
         positions, deterministic=True, decode=True,
         cache_mask=attention.segment_mask(segments, segments), prefix_fill=True,
         mutable=["cache"])
-    expected = jax.eval_shape(lambda: self.init_cache(batch_size, prompt_len + max_len))
 
-    def to_rows(packed, like):
+    def to_rows(packed):
       if not packed.ndim:  # the counters of slots filled: prompt_len, as unpacked
         return packed
       rows = prompt_packing.unpack(packed, places, filled != 0)  # [b, ..., P]
-      return jnp.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, like.shape[-1] - prompt_len)])
+      return jnp.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, max_len)])
 
-    return jax.tree.map(to_rows, variables["cache"], expected)
+    return jax.tree.map(to_rows, variables["cache"])
 
   def step_logits(self, params, context):
     model = self.model

@@ -115,9 +115,9 @@ class Predictor:
     dtype = checkpoint_lib.held_dtype(checkpoint, config.model.dtype)
     params = checkpoint_lib.read_params(checkpoint, parallel.unbox(boxed),
                                         dtype=np.float32 if adapter else dtype)
-    if adapter:  # merged in float32, then held as the plain checkpoint would be
-      params = jax.device_get(lora_lib.cast(
-          _with_adapter(params, adapter, checkpoint, config), dtype))
+    if adapter:  # merged in float32, then held as the plain checkpoint would be (on the host)
+      params = jax.tree.map(lambda x: np.asarray(x, dtype),
+                            _with_adapter(params, adapter, checkpoint, config))
     missing = checkpoint_lib.missing_params(params, parallel.unbox(boxed))
     if missing:
       raise checkpoint_lib.PretrainedError(
