@@ -144,6 +144,92 @@ def dot_product_attention(query: Array, key: Array, value: Array, mask: Array | 
   return (out, weights) if return_weights else out
 
 
+def beam_attention(query: Array, key: Array, value: Array, mask: Array | None,
+                   slot_rows: Array, beams: int, *, bias: Array | None = None,
+                   scale: float | None = None, softcap: float | None = None) -> Array:
+  """`dot_product_attention` of beams that share their cache slots: each source's `beams`
+  consecutive rows are the hypotheses of one beam search, and row j reads slot s from row
+  j + slot_rows[j, s] of its source, the row whose beam wrote it (`reorder_beams`). Each query
+  meets every key of its source's rows, the slots of other beams masked out, so the cache is
+  read once per step as in plain decoding and never copied when beams are reordered. (The
+  scores are `beams` times as many, which is nothing beside a step's matrix products.)
+
+  Args:
+    query: [r, q, h, d], r = sources x beams.
+    key: the cache's keys [r, L, n, d] (n dividing h, as in `dot_product_attention`).
+    value: like `key`.
+    mask: boolean, broadcastable to [r, h, q, L].
+    slot_rows: int [r, L]: where each row's slots are, as offsets from the row.
+    beams: rows per source.
+    bias, scale, softcap: as in `dot_product_attention`.
+
+  Returns:
+    [r, q, h, d] outputs in `value.dtype`.
+  """
+  rows, num_queries, heads, head_dim = query.shape
+  length, kv_heads = key.shape[1], key.shape[2]
+  group = _check_groups(heads, kv_heads)
+  sources = rows // beams
+  # Split from the cache's own layout (`_keys_last`), which the products read without a copy.
+  keys, values = (_keys_last(x).reshape(sources, beams, kv_heads, head_dim, length)
+                  for x in (key, value))
+  # Source, holder beam i, key/value head n, querying beam j, group g, query, slot. Both beams
+  # are batch dimensions of the products, so the keys are read in the cache's own layout.
+  queries = jnp.transpose(query.reshape(sources, beams, num_queries, kv_heads, group, head_dim),
+                          (0, 3, 1, 4, 2, 5))[:, None]  # [b, 1, n, j, g, q, d]
+  queries = jnp.broadcast_to(queries, (sources, beams) + queries.shape[2:])
+  scores = jnp.einsum("binjgqd,bindl->binjgql", queries, keys,
+                      preferred_element_type=jnp.float32)
+  scores = scores * jnp.float32(head_dim ** -0.5 if scale is None else scale)
+  if softcap:
+    scores = jnp.tanh(scores / jnp.float32(softcap)) * jnp.float32(softcap)
+  if bias is not None:
+    scores = scores + _by_source(bias, sources, beams, kv_heads, num_queries, length)
+  holder = jnp.arange(beams)[None, :, None] + slot_rows.reshape(sources, beams, length)
+  held = holder[:, None] == jnp.arange(beams)[None, :, None, None]  # [b, i, j, L]
+  visible = held[:, :, None, :, None, None, :]
+  if mask is not None:
+    visible = visible & _by_source(mask, sources, beams, kv_heads, num_queries, length)
+  scores = jnp.where(visible, scores, _MASKED_SCORE)
+  weights = jax.nn.softmax(scores, axis=(1, 6)).astype(value.dtype)  # over holders and slots
+  out = jnp.einsum("binjgql,bindl->binjgqd", weights, values).sum(axis=1)  # [b, n, j, g, q, d]
+  return jnp.transpose(out, (0, 2, 4, 1, 3, 5)).reshape(rows, num_queries, heads, head_dim)
+
+
+def _by_source(x: Array, sources: int, beams: int, kv_heads: int, num_queries: int,
+               length: int) -> Array:
+  """A mask or bias broadcastable to [r, h, q, L] as `beam_attention`'s scores take it:
+  [b, 1, n, j, g, q, L] (n and g of size 1 where it has no heads)."""
+  heads = x.shape[-3] if x.ndim >= 3 else 1
+  group = heads // kv_heads if heads > 1 else 1
+  x = jnp.broadcast_to(x, (sources * beams, heads, num_queries, length))
+  x = x.reshape(sources, beams, heads // group, group, num_queries, length)
+  return jnp.transpose(x, (0, 2, 1, 3, 4, 5))[:, None]
+
+
+def beam_slots(x: Array, slot_rows: Array) -> Array:
+  """A cache's keys or values [r, L, n, d] as each row's beam reads them (slot s of row j from
+  row j + slot_rows[j, s]): a copy, for the attention that `beam_attention` does not cover
+  (learned scores, captured weights)."""
+  rows, length = slot_rows.shape
+  return x[jnp.arange(rows)[:, None] + slot_rows, jnp.arange(length)[None, :]]
+
+
+def reorder_beams(cache: Any, rows: Array) -> Any:
+  """Beam search's reorder of a cache filled with `beams` > 1: row r goes on with the
+  hypothesis of row rows[r]. Keys and values stay where they are: each row's slot offsets
+  (`beam_attention`) are pointed at the rows that hold its new hypothesis's slots instead.
+  Every other per-row entry of the cache is gathered; scalars are shared."""
+  def reorder(path, x):
+    name = getattr(path[-1], "key", None)
+    if x.ndim == 0 or name in ("cached_key", "cached_value"):
+      return x
+    if name == "slot_rows":
+      return x[rows] + (rows - jnp.arange(x.shape[0]))[:, None]
+    return jnp.take(x, rows, axis=0, mode="clip")
+  return jax.tree_util.tree_map_with_path(reorder, cache)
+
+
 # What 'auto' runs per backend (jax.default_backend()), where the inputs allow it (see
 # `fused_implementation`). On an H100, cuDNN through `fused_attention` matched the float32
 # reference on padded and packed bfloat16 batches and made the Transformer-base step 21% faster
@@ -245,6 +331,10 @@ class MultiHeadAttention(nn.Module):
   `prefix_fill` (decode mode) makes the call's new tokens see each other both ways: a
   prefix LM's prompt, filled in one call as its training reads the source part.
 
+  `beams` > 1 (decode mode): each source's `beams` consecutive rows are one beam search's
+  hypotheses, which reorders them with `reorder_beams`: self-attention then reads each row's
+  slots where its hypothesis wrote them (`beam_attention`), so that no keys or values move.
+
   `use_bias` False drops the projections' biases (`qkv_bias` / `out_bias`, where set, decide
   for the query/key/value and the output projections apart) and `scale_scores` False the 1/sqrt(d)
   factor (T5, which folds it into its query weights); `scale`, where set, is the scores' factor
@@ -280,7 +370,7 @@ class MultiHeadAttention(nn.Module):
   @nn.compact
   def __call__(self, inputs_q: Array, inputs_kv: Array, mask: Array | None = None, *,
                deterministic: bool = True, decode: bool = False, bias: Array | None = None,
-               positions: Array | None = None, prefix_fill: bool = False):
+               positions: Array | None = None, prefix_fill: bool = False, beams: int = 1):
     if self.qkv_dim % self.num_heads:
       raise ValueError(f"qkv_dim={self.qkv_dim} must be divisible by num_heads={self.num_heads}.")
     head_dim = self.qkv_dim // self.num_heads
@@ -331,8 +421,9 @@ class MultiHeadAttention(nn.Module):
     query = nn.with_logical_constraint(query, ("batch", "length", "heads", "kv"))
     key, value = (nn.with_logical_constraint(x, ("batch", "length", kv_axis, "kv"))
                   for x in (key, value))
+    slot_rows = None
     if decode and self_attention:
-      key, value, mask = self._update_cache(key, value, mask, prefix_fill)
+      key, value, mask, slot_rows = self._update_cache(key, value, mask, prefix_fill)
     # Decoding several copies (beams, samples) of each source: their queries meet the one
     # copy of the source's keys/values as extra query positions, [b * c, q] -> [b, c * q].
     rows, num_queries = query.shape[:2]
@@ -344,6 +435,12 @@ class MultiHeadAttention(nn.Module):
                    else None)
     capture = self.is_mutable_collection("intermediates")
     scale = 1.0 if self.scale is None and not self.scale_scores else self.scale
+    if beams > 1 and slot_rows is not None:
+      if self.score == "dot_product" and not capture:
+        return self._output(beam_attention(query, key, value, mask, slot_rows, beams, bias=bias,
+                                           scale=scale, softcap=self.softcap),
+                            inputs_q, out_bias, deterministic)
+      key, value = beam_slots(key, slot_rows), beam_slots(value, slot_rows)
     if self.score == "dot_product" and self.implementation != "reference" and not (
         capture or dropout_rng is not None or self.softcap):
       out = fused_attention(query, key, value, mask, self.implementation, bias, scale)
@@ -353,6 +450,10 @@ class MultiHeadAttention(nn.Module):
         self.sow("intermediates", "attention_weights", weights)
     if copies > 1:
       out = out.reshape(rows, num_queries, *out.shape[2:])
+    return self._output(out, inputs_q, out_bias, deterministic)
+
+  def _output(self, out: Array, inputs_q: Array, out_bias: bool, deterministic: bool) -> Array:
+    """The heads' outputs [b, q, h, d] projected back to the model dimension [b, q, emb]."""
     projected = nn.DenseGeneral(
         inputs_q.shape[-1], axis=(-2, -1), dtype=self.dtype, use_bias=out_bias,
         kernel_init=_partitioned(self.kernel_init, ("heads", "kv", "embed")),
@@ -429,15 +530,17 @@ class MultiHeadAttention(nn.Module):
     return key, value
 
   def _update_cache(self, key: Array, value: Array, mask: Array | None, prefix_fill: bool):
-    """Writes the new keys/values into the cache; returns all cached ones and their mask
-    (causal over the new tokens, or with `prefix_fill` every slot written so far)."""
+    """Writes the new keys/values into the cache; returns all cached ones, their mask (causal
+    over the new tokens, or with `prefix_fill` every slot written so far) and where each row's
+    slots are ('slot_rows', `beam_attention`: a row writes its new slots itself)."""
     initialized = self.has_variable("cache", "cached_key")
     shape = _keys_last(key).shape
     cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, key.dtype)
     cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, value.dtype)
     cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+    slot_rows = self.variable("cache", "slot_rows", jnp.zeros, (shape[0], shape[3]), jnp.int32)
     if not initialized:  # the init pass only creates the cache
-      return key, value, mask
+      return key, value, mask, None
     num_new, max_len = key.shape[1], cached_key.value.shape[3]
     index = cache_index.value
     cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, _keys_last(key),
@@ -445,10 +548,12 @@ class MultiHeadAttention(nn.Module):
     cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, _keys_last(value),
                                                       (0, 0, 0, index))
     cache_index.value = index + num_new
+    slot_rows.value = jax.lax.dynamic_update_slice(
+        slot_rows.value, jnp.zeros((shape[0], num_new), jnp.int32), (0, index))
     # New token i (at absolute position index + i) sees cached positions <= index + i.
     query_positions = index + jnp.arange(num_new)[:, None]  # [q, 1]
     if prefix_fill:
       query_positions = jnp.full_like(query_positions, index + num_new - 1)
     visible = jnp.arange(max_len)[None, :] <= query_positions  # [q, max_len]
     return (_from_keys_last(cached_key.value), _from_keys_last(cached_value.value),
-            combine_masks(visible[None, None], mask))
+            combine_masks(visible[None, None], mask), slot_rows.value)

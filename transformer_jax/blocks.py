@@ -178,15 +178,17 @@ class DecoderLayer(nn.Module):
   def __call__(self, y: Array, encoded: Array | None, self_mask: Array | None,
                cross_mask: Array | None, deterministic: bool, decode: bool,
                bias: Array | None = None, positions: Array | None = None,
-               prefix_fill: bool = False) -> Array:
+               prefix_fill: bool = False, beams: int = 1) -> Array:
     """`positions` [b|1, len]: the tokens' positions for rotary embeddings ('rope'); while
-    decoding, those of the tokens fed in this call. `prefix_fill`: see MultiHeadAttention."""
+    decoding, those of the tokens fed in this call. `prefix_fill`, `beams`: see
+    MultiHeadAttention."""
     c = self.config
     residual = lambda name: SublayerConnection(c, name=name)
     self_attention = _attention(c, "self_attention", local=self.local)
     y = residual("self_attention_block")(
         y, lambda h: self_attention(h, h, self_mask, deterministic=deterministic, decode=decode,
-                                    bias=bias, positions=positions, prefix_fill=prefix_fill),
+                                    bias=bias, positions=positions, prefix_fill=prefix_fill,
+                                    beams=beams),
         deterministic=deterministic)
     if encoded is not None:
       cross_attention = _attention(c, "cross_attention", c.cross_attention_score,
@@ -230,7 +232,8 @@ class DecoderStack(nn.Module):
   embeddings or a sliding window; while decoding, the cache counts positions instead, less
   each row's `decode_offset` [b] (see layers.PositionEmbedding), unless they are given
   (packed prompts filling a cache). `prefix_fill`: the tokens fed while decoding are a prefix
-  LM's prompt, read both ways.
+  LM's prompt, read both ways. `beams`: rows per source that are one beam search's
+  hypotheses (see MultiHeadAttention).
   """
   config: TransformerConfig
 
@@ -238,9 +241,9 @@ class DecoderStack(nn.Module):
   def __call__(self, y: Array, encoded: Array | None, self_mask: Array | None,
                cross_mask: Array | None, *, deterministic: bool, decode: bool,
                positions: Array | None = None, decode_offset: Array | None = None,
-               prefix_fill: bool = False) -> Array:
+               prefix_fill: bool = False, beams: int = 1) -> Array:
     c = self.config
-    layer = _remat(DecoderLayer, c, static=("deterministic", "decode", "prefix_fill"))
+    layer = _remat(DecoderLayer, c, static=("deterministic", "decode", "prefix_fill", "beams"))
     num_layers = c.num_decoder_layers or c.num_layers
     local = windowed_layers(c, num_layers)
     # Key positions are needed beside the queries' by a relative bias and a window; while
@@ -261,7 +264,7 @@ class DecoderStack(nn.Module):
     for i in range(num_layers):
       y = layer(c, local=local[i], name=f"layer_{i}")(
           residual_stream(y), encoded, local_mask if local[i] else self_mask, cross_mask,
-          deterministic, decode, biases[i], rotary_positions, prefix_fill)
+          deterministic, decode, biases[i], rotary_positions, prefix_fill, beams)
     if c.pre_ln if c.final_norm is None else c.final_norm:
       y = layer_norm(c, "final_norm")(y)
     return y

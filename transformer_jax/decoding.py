@@ -616,12 +616,17 @@ def _gather_beams(tree: Any, beam_indices: Array) -> Any:
       x, beam_indices.reshape(beam_indices.shape + (1,) * (x.ndim - 2)), axis=1), tree)
 
 
-def _gather_cache(cache: Any, beam_indices: Array, old_beam: int) -> Any:
-  """Like `_gather_beams` for a flat [batch * old_beam, ...] cache: one row gather per leaf.
+def _beam_rows(beam_indices: Array, old_beam: int) -> Array:
+  """[batch, new_beam] beams of each example -> their rows [batch * new_beam] of a flat
+  [batch * old_beam, ...] array."""
+  batch_size = beam_indices.shape[0]
+  return (jnp.arange(batch_size)[:, None] * old_beam + beam_indices).reshape(-1)
+
+
+def _gather_rows(cache: Any, rows: Array) -> Any:
+  """Like `_gather_beams` for a flat [batch * beam, ...] cache: one row gather per leaf.
   (Indices are always in range; 'clip' spares the out-of-range select over every element that
   take_along_axis's default adds, a copy of the whole cache per step.)"""
-  batch_size = beam_indices.shape[0]
-  rows = (jnp.arange(batch_size)[:, None] * old_beam + beam_indices).reshape(-1)
   return jax.tree.map(lambda x: x if x.ndim == 0 else jnp.take(x, rows, axis=0, mode="clip"),
                       cache)
 
@@ -631,7 +636,9 @@ def beam_search(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, *,
                 max_decode_len: int | None = None, bos_id: int | Array = 2,
                 end_ids: Sequence[int] = (), decoder_prompt: Array | None = None,
                 logits_processor: LogitsProcessor | None = None,
-                length_penalty_kind: str = "gnmt") -> tuple[Array, Array]:
+                length_penalty_kind: str = "gnmt",
+                reorder_cache: Callable[[Any, Array], Any] | None = None
+                ) -> tuple[Array, Array]:
   """Beam search with a length penalty, live and finished hypotheses apart (the module
   docstring says how).
 
@@ -649,6 +656,10 @@ def beam_search(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, *,
     end_ids: further ids that end an output as `eos_id` does (shown as `eos_id` in it).
     decoder_prompt, logits_processor: see the module docstring (`sequences` holds the live
       hypotheses, [batch*beam, max_decode_len]).
+    reorder_cache: (cache, rows [batch*beam]) -> the cache whose row r goes on with the
+      hypothesis of row rows[r]; None: every leaf's rows gathered. (A model that reads its
+      keys and values through per-row slot offsets moves only those:
+      attention.reorder_beams.)
 
   Returns:
     sequences int32 [batch, beam, max_decode_len] (zeros after EOS) and scores float32
@@ -689,7 +700,7 @@ def beam_search(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, *,
     # Live: the k best that did not end.
     live_logprobs, keep = jax.lax.top_k(jnp.where(possible & ~ends, top_logprobs, NEG_INF), k)
     live_seqs = _gather_beams(top_seqs, keep)
-    cache = _gather_cache(cache, _gather_beams(top_beams, keep), k)
+    cache = (reorder_cache or _gather_rows)(cache, _beam_rows(_gather_beams(top_beams, keep), k))
     # Finished: the k best of the old ones and those that ended now.
     new_scores = jnp.where(ends, top_logprobs / penalty(step + 1), NEG_INF)
     finished_scores, keep = jax.lax.top_k(

@@ -205,14 +205,14 @@ class EncoderDecoder(family_base.SequenceFamily):
     return {"encoded": encoded, "source": source,
             "encoded_kv": self.encoded_key_value(params, encoded, source)}
 
-  def step_logits(self, params, context):
+  def step_logits(self, params, context, beams=1):
     model = self.model
 
     def tokens_to_logits(ids, cache):
       logits, variables = model.apply(
           {"params": params, "cache": cache, "encoded_kv": context["encoded_kv"]},
           context["encoded"], context["source"], ids, deterministic=True, decode=True,
-          mutable=["cache"], method=model.decode)
+          beams=beams, mutable=["cache"], method=model.decode)
       return logits[:, -1], variables["cache"]
 
     return tokens_to_logits
@@ -439,13 +439,14 @@ class DecoderOnly(family_base.SequenceFamily):
 
     return jax.tree.map(to_rows, variables["cache"])
 
-  def step_logits(self, params, context):
+  def step_logits(self, params, context, beams=1):
     model = self.model
 
     def tokens_to_logits(ids, cache):
       logits, new = model.apply({"params": params, "cache": cache}, ids, deterministic=True,
                                 decode=True, cache_mask=context["cache_mask"],
-                                decode_offset=context["offset"], mutable=["cache"])
+                                decode_offset=context["offset"], beams=beams,
+                                mutable=["cache"])
       return logits[:, -1], new["cache"]
 
     return tokens_to_logits

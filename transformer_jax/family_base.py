@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from transformer_jax import attention
 from transformer_jax import generate
 from transformer_jax import lora as lora_lib
 from transformer_jax import model_schema
@@ -156,13 +157,15 @@ class SequenceFamily(Family):
     inputs, forced_first, row_starts = self.split_prompt(inputs)
     max_len = self.max_decode_len(decoding_config, inputs.shape[1])
     rows = inputs.shape[0] * generate.copies(decoding_config, nbest)
+    beams = decoding_config.beam_size if decoding_config.method == "beam" else 1
     cache, tokens_to_logits, start_id = self.start_decoding(params, inputs, rows, max_len,
-                                                            packing)
+                                                            packing, beams)
     start_id = start_id if row_starts is None else row_starts
     return generate.search(cache, tokens_to_logits, rng, start_id=start_id,
                            batch_size=inputs.shape[0], decoding_config=decoding_config,
                            max_len=max_len, nbest=nbest, forced_first=forced_first,
-                           row_limits=self.output_limits(inputs, decoding_config))
+                           row_limits=self.output_limits(inputs, decoding_config),
+                           reorder_cache=attention.reorder_beams if beams > 1 else None)
 
   def output_limits(self, inputs: Array, decoding_config: ml_collections.ConfigDict
                     ) -> Array | None:
@@ -180,10 +183,13 @@ class SequenceFamily(Family):
     forces one, or every row starts from `start_decoding`'s)."""
     return inputs, None, None
 
-  def start_decoding(self, params, inputs: Array, rows: int, max_len: int, packing=None):
-    """(cache, tokens_to_logits over `rows` flat rows, first token) for `inputs` [b, len]."""
+  def start_decoding(self, params, inputs: Array, rows: int, max_len: int, packing=None,
+                     beams: int = 1):
+    """(cache, tokens_to_logits over `rows` flat rows, first token) for `inputs` [b, len].
+    `beams` > 1: the rows are the hypotheses of a beam search that reorders the cache with
+    attention.reorder_beams (the keys and values stay where they were written)."""
     cache, context, start_id = self.prefill(params, inputs, rows, max_len, packing)
-    return cache, self.step_logits(params, context), start_id
+    return cache, self.step_logits(params, context, beams), start_id
 
   @abc.abstractmethod
   def prefill(self, params, inputs: Array, rows: int, max_len: int, packing=None):
@@ -193,8 +199,9 @@ class SequenceFamily(Family):
     `decode`'s; the prompts are read packed, with the same results per row."""
 
   @abc.abstractmethod
-  def step_logits(self, params, context):
-    """The decoding callback tokens_to_logits(ids [n, 1], cache) of a `prefill` context."""
+  def step_logits(self, params, context, beams: int = 1):
+    """The decoding callback tokens_to_logits(ids [n, 1], cache) of a `prefill` context;
+    `beams`: `start_decoding`'s."""
 
 
 def zeros(abstract_tree):

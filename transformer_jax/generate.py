@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import json
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from absl import logging
 import jax
@@ -71,7 +71,8 @@ def copies(decoding_config: ml_collections.ConfigDict, nbest: int = 1) -> int:
 def search(cache: Any, tokens_to_logits: decoding.TokensToLogits, rng: Array, *,
            start_id: int, batch_size: int, decoding_config: ml_collections.ConfigDict,
            max_len: int, nbest: int = 1, forced_first: Array | None = None,
-           row_limits: Array | None = None) -> tuple[Array, Array]:
+           row_limits: Array | None = None,
+           reorder_cache: Callable[[Any, Array], Any] | None = None) -> tuple[Array, Array]:
   """Runs the configured search: ([b, nbest, max_len] output ids, [b, nbest] scores), best
   first. Scores are what the search ranks by: the length-penalised log-probability for beam
   search, the log-probability for greedy and sampled outputs.
@@ -82,7 +83,8 @@ def search(cache: Any, tokens_to_logits: decoding.TokensToLogits, rng: Array, *,
   BOS / EOS) apply to every method; `forced_first` [b]: a first output token per example (0 =
   none) instead of `forced_bos_id` (each row's target language); `row_limits` [b]: output
   tokens per example before an EOS that ends it (a decoder-only prompt's room under
-  `decoding.max_total_len`).
+  `decoding.max_total_len`); `reorder_cache`: how beam search reorders the cache's rows
+  (decoding.beam_search).
   """
   d = decoding_config
   end_ids = tuple(d.end_ids)
@@ -100,7 +102,8 @@ def search(cache: Any, tokens_to_logits: decoding.TokensToLogits, rng: Array, *,
     dummy_inputs = jnp.zeros((batch_size, 1), jnp.int32)  # beam_search reads only its shape
     sequences, scores = decoding.beam_search(dummy_inputs, cache, tokens_to_logits,
                                              beam_size=d.beam_size, alpha=d.alpha,
-                                             length_penalty_kind=d.length_penalty, **common)
+                                             length_penalty_kind=d.length_penalty,
+                                             reorder_cache=reorder_cache, **common)
     return sequences[:, :nbest], scores[:, :nbest]
   if d.method == "greedy":
     tokens, scores = decoding.greedy_search(cache, tokens_to_logits, batch_size=batch_size,

@@ -195,14 +195,15 @@ class EncoderDecoder(nn.Module):
   def decode(self, encoded: Array, inputs: Array, targets: Array,
              targets_position: Array | None = None, inputs_segmentation: Array | None = None,
              targets_segmentation: Array | None = None, *, deterministic: bool = False,
-             decode: bool = False) -> Array:
+             decode: bool = False, beams: int = 1) -> Array:
     """Decoder logits [b, tgt_len, vocab] (float32).
 
     Training (`decode=False`): `targets` are the gold outputs, shifted right here. Decoding
     (`decode=True`): `targets` are the decoder's input tokens for this call (bos first; one
     or several), and the self-attention KV cache supplies causality. Cross-attention keys and
     values come from the 'encoded_kv' collection when it is given (a call with it mutable
-    fills it); `targets` may then hold several rows (beams) per source row.
+    fills it); `targets` may then hold several rows (beams) per source row, and `beams` > 1
+    says that they are one beam search's hypotheses (see attention.MultiHeadAttention).
     """
     c = self.config
     if decode:
@@ -223,7 +224,7 @@ class EncoderDecoder(nn.Module):
                                decode=decode)
     y = self.dropout(self.decoder_embedding_norm(y), deterministic=deterministic)
     y = self.decoder(y, encoded, self_mask, cross_mask, deterministic=deterministic,
-                     decode=decode, positions=targets_position)
+                     decode=decode, positions=targets_position, beams=beams)
     return _output_logits(self, self.target_embedding, y)
 
   def __call__(self, inputs: Array, targets: Array, inputs_position: Array | None = None,
@@ -260,18 +261,18 @@ class DecoderOnly(nn.Module):
                segmentation: Array | None = None, prefix: Array | None = None, *,
                deterministic: bool = False, decode: bool = False,
                cache_mask: Array | None = None, decode_offset: Array | None = None,
-               prefix_fill: bool = False, shift: bool = True) -> Array:
+               prefix_fill: bool = False, shift: bool = True, beams: int = 1) -> Array:
     """Logits [b, len, vocab]; the arguments as `states`."""
     return self.logits(self.states(tokens, positions, segmentation, prefix,
                                    deterministic=deterministic, decode=decode,
                                    cache_mask=cache_mask, decode_offset=decode_offset,
-                                   prefix_fill=prefix_fill, shift=shift))
+                                   prefix_fill=prefix_fill, shift=shift, beams=beams))
 
   def states(self, tokens: Array, positions: Array | None = None,
              segmentation: Array | None = None, prefix: Array | None = None, *,
              deterministic: bool = False, decode: bool = False,
              cache_mask: Array | None = None, decode_offset: Array | None = None,
-             prefix_fill: bool = False, shift: bool = True) -> Array:
+             prefix_fill: bool = False, shift: bool = True, beams: int = 1) -> Array:
     """The last layer's states [b, len, emb], before the output layer.
 
     Training reads `tokens` shifted right (`<bos>` first: logits[t] predict tokens[t]), or,
@@ -281,8 +282,9 @@ class DecoderOnly(nn.Module):
     Training: a prefix LM (`config.prefix_lm`) reads the positions marked by `prefix`
     [b, len] (its source part) both ways. Decoding a batch of right-padded prompts:
     `cache_mask` [b, 1, 1, cache_len] hides the prompts' padding slots, `decode_offset` [b]
-    keeps each row's positions as in training (see layers.PositionEmbedding), and
-    `prefix_fill` has a prefix LM's prompt read both ways.
+    keeps each row's positions as in training (see layers.PositionEmbedding),
+    `prefix_fill` has a prefix LM's prompt read both ways, and `beams` > 1 says that each
+    prompt's consecutive rows are one beam search's hypotheses (attention.MultiHeadAttention).
     """
     c = self.config
     if decode:
@@ -296,7 +298,7 @@ class DecoderOnly(nn.Module):
     y = self.dropout(self.embedding_norm(y), deterministic=deterministic)
     return self.decoder(y, None, mask, None, deterministic=deterministic, decode=decode,
                         positions=positions, decode_offset=decode_offset,
-                        prefix_fill=prefix_fill and c.prefix_lm)
+                        prefix_fill=prefix_fill and c.prefix_lm, beams=beams)
 
   def logits(self, states: Array) -> Array:
     """Float32 logits [..., vocab] of `states` [..., emb]."""
