@@ -104,8 +104,8 @@ def folders(tmp_path_factory):
 
 
 # Relative bias (T5), learned positions (GPT-2), grouped heads with rotary positions and a
-# window shorter than the prompts (Mistral), q/k norms, local windows and a soft cap (Gemma 3).
-@pytest.mark.parametrize("kind", ["t5", "gpt2", "mistral", "gemma3_text"])
+# window shorter than the prompts (Mistral); beam_attention's soft cap is tested above.
+@pytest.mark.parametrize("kind", ["t5", "gpt2", "mistral"])
 def test_imported_models_search_beams_as_with_whole_caches(kind, folders, monkeypatch):
   from transformer_jax.predict import Predictor  # pylint: disable=g-import-not-at-top
   predictor = Predictor.from_pretrained(folders(kind))

@@ -423,7 +423,7 @@ class MultiHeadAttention(nn.Module):
                   for x in (key, value))
     slot_rows = None
     if decode and self_attention:
-      key, value, mask, slot_rows = self._update_cache(key, value, mask, prefix_fill)
+      key, value, mask, slot_rows = self._update_cache(key, value, mask, prefix_fill, beams)
     # Decoding several copies (beams, samples) of each source: their queries meet the one
     # copy of the source's keys/values as extra query positions, [b * c, q] -> [b, c * q].
     rows, num_queries = query.shape[:2]
@@ -529,10 +529,12 @@ class MultiHeadAttention(nn.Module):
       self.put_variable("encoded_kv", "value", _keys_last(value))
     return key, value
 
-  def _update_cache(self, key: Array, value: Array, mask: Array | None, prefix_fill: bool):
+  def _update_cache(self, key: Array, value: Array, mask: Array | None, prefix_fill: bool,
+                    beams: int):
     """Writes the new keys/values into the cache; returns all cached ones, their mask (causal
     over the new tokens, or with `prefix_fill` every slot written so far) and where each row's
-    slots are ('slot_rows', `beam_attention`: a row writes its new slots itself)."""
+    slots are ('slot_rows', `beam_attention`: a row writes its new slots itself; without beams
+    no row reads another's, and the offsets stay 0)."""
     initialized = self.has_variable("cache", "cached_key")
     shape = _keys_last(key).shape
     cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, key.dtype)
@@ -548,8 +550,9 @@ class MultiHeadAttention(nn.Module):
     cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, _keys_last(value),
                                                       (0, 0, 0, index))
     cache_index.value = index + num_new
-    slot_rows.value = jax.lax.dynamic_update_slice(
-        slot_rows.value, jnp.zeros((shape[0], num_new), jnp.int32), (0, index))
+    if beams > 1:
+      slot_rows.value = jax.lax.dynamic_update_slice(
+          slot_rows.value, jnp.zeros((shape[0], num_new), jnp.int32), (0, index))
     # New token i (at absolute position index + i) sees cached positions <= index + i.
     query_positions = index + jnp.arange(num_new)[:, None]  # [q, 1]
     if prefix_fill:

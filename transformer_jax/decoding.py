@@ -4,7 +4,8 @@
 of the model. Every loop runs inside `lax.while_loop`, so a decode function jit-compiles whole.
 Beam search and `num_decodes` sampling work on flattened [batch * copies] rows: callers expand
 their per-example inputs (e.g. encoder outputs) with `flat_batch_beam_expand`; the cache is
-expanded here.
+expanded here, and beam search reorders its rows with the caller's `reorder_cache` (every
+leaf gathered by default).
 
 Shared options:
   decoder_prompt: int [batch, P] tokens forced at the first output positions of each row (the
