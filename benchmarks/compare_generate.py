@@ -2,7 +2,7 @@
 
   python benchmarks/compare_generate.py --pretrained DIR [--batch_sizes 1,8,32] \
       [--methods greedy,beam4,sample] [--new_tokens 64] [--prompt_tokens 0] [--rounds 3] \
-      [--threads 2]
+      [--threads 2] [--turns]
   # A folder of random weights at a known size first (no download needed): gpt2 (124M,
   # decoder-only), smollm2-135m (Llama blocks, GQA), t5-small (60M, encoder-decoder) or
   # nllb-1.3b (NLLB-200-distilled-1.3B's sizes, m2m_100, 5.5 GB of float32; English ->
@@ -19,7 +19,10 @@ transformers' `min_new_tokens` / `max_new_tokens`), float32, greedy (`num_beams=
 (`num_beams=4`, our beam search) or sampling (temperature 1, no top-k / top-p). Each (side,
 method, batch) runs in a process of its own with --threads threads (XLA's CPU thread pool is
 the machine's cores; torch.set_num_threads), one untimed call first (our compile), then the
-median of --rounds calls. Prints one JSON line per measurement and a table, with the
+median of --rounds calls; with --turns both sides run in one process, their calls taking
+turns, so that a machine whose speed drifts from minute to minute slows both alike (on the
+2-core machine, two separate runs of the same measurement gave 0.85x and 1.31x an hour apart).
+Prints one JSON line per measurement and a table, with the
 memory-bandwidth bound at batch 1: every weight is read once per token, so tokens/s can be at
 most (measured read bandwidth) / (bytes of weights). A benchmark, not a test.
 """
@@ -178,23 +181,28 @@ def read_bandwidth() -> float:
   return array.nbytes / best
 
 
-def measure(args) -> dict:
-  """One side's tokens per second (median of --rounds calls after a warm-up)."""
-  if args.side == "ours":
-    call = run_ours(args.pretrained, args.method, args.batch, args.new_tokens,
-                    args.prompt_tokens)
-  else:
-    call = run_torch(args.pretrained, args.method, args.batch, args.new_tokens, args.threads,
-                     args.prompt_tokens)
-  call()
-  times = []
-  for _ in range(args.rounds):
-    start = time.perf_counter()
+def measure(args) -> list[dict]:
+  """Each side's tokens per second (median of --rounds calls after a warm-up): --side's, or
+  with 'both' ours and transformers' in this process, their calls in turns."""
+  calls = {}
+  if args.side in ("ours", "both"):
+    calls["ours"] = run_ours(args.pretrained, args.method, args.batch, args.new_tokens,
+                             args.prompt_tokens)
+  if args.side in ("torch", "both"):
+    calls["torch"] = run_torch(args.pretrained, args.method, args.batch, args.new_tokens,
+                               args.threads, args.prompt_tokens)
+  times = {side: [] for side in calls}
+  for call in calls.values():
     call()
-    times.append(time.perf_counter() - start)
-  seconds = statistics.median(times)
-  return {"side": args.side, "method": args.method, "batch": args.batch,
-          "seconds": seconds, "tokens_per_s": args.batch * args.new_tokens / seconds}
+  for _ in range(args.rounds):
+    for side, call in calls.items():
+      start = time.perf_counter()
+      call()
+      times[side].append(time.perf_counter() - start)
+  return [{"side": side, "method": args.method, "batch": args.batch,
+           "seconds": statistics.median(seconds), "rounds": seconds,
+           "tokens_per_s": args.batch * args.new_tokens / statistics.median(seconds)}
+          for side, seconds in times.items()]
 
 
 def weights_bytes(folder: str) -> int:
@@ -218,12 +226,14 @@ def main():
   parser.add_argument("--prompt_tokens", type=int, default=0)  # 0: a sentence each
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--threads", type=int, default=os.cpu_count())
-  parser.add_argument("--side", choices=["ours", "torch"])  # internal: one measurement
+  parser.add_argument("--turns", action="store_true")  # both sides in one process, in turns
+  parser.add_argument("--side", choices=["ours", "torch", "both"])  # internal: a measurement
   parser.add_argument("--method", choices=sorted(METHODS))
   parser.add_argument("--batch", type=int)
   args = parser.parse_args()
   if args.side:
-    print(json.dumps(measure(args)), flush=True)
+    for result in measure(args):
+      print(json.dumps(result), flush=True)
     return
   if args.make:
     make_folder(args.make, args.pretrained)
@@ -234,7 +244,7 @@ def main():
   for method in args.methods.split(","):
     for batch in map(int, args.batch_sizes.split(",")):
       result = {}
-      for side in ("ours", "torch"):
+      for side in (("both",) if args.turns else ("ours", "torch")):
         out = subprocess.run(
             [sys.executable, __file__, "--side", side, "--pretrained", args.pretrained,
              "--method", method, "--batch", str(batch), "--new_tokens", str(args.new_tokens),
@@ -244,8 +254,9 @@ def main():
             env=dict(os.environ, JAX_PLATFORMS="cpu"))
         if out.returncode:
           sys.exit(f"{side} {method} batch {batch} failed:\n{out.stderr[-3000:]}")
-        result[side] = json.loads(out.stdout.strip().splitlines()[-1])
-        print(json.dumps(result[side]), flush=True)
+        for line in out.stdout.strip().splitlines()[-(2 if side == "both" else 1):]:
+          print(line, flush=True)
+          result[json.loads(line)["side"]] = json.loads(line)
       rows.append((method, batch, result["ours"]["tokens_per_s"],
                    result["torch"]["tokens_per_s"]))
   print(f"\n{'method':8s} {'batch':>5s} {'ours tok/s':>11s} {'generate tok/s':>15s} {'ratio':>6s}"

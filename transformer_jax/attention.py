@@ -152,7 +152,8 @@ def beam_attention(query: Array, key: Array, value: Array, mask: Array | None,
   j + slot_rows[j, s] of its source, the row whose beam wrote it (`reorder_beams`). Each query
   meets every key of its source's rows, the slots of other beams masked out, so the cache is
   read once per step as in plain decoding and never copied when beams are reordered. (The
-  scores are `beams` times as many, which is nothing beside a step's matrix products.)
+  score and value products do `beams` times the arithmetic, the prompt's slots included,
+  which every beam of a source holds alike: benchmarks/RESULTS.md, issue #42's fourth pass.)
 
   Args:
     query: [r, q, h, d], r = sources x beams.
@@ -170,11 +171,11 @@ def beam_attention(query: Array, key: Array, value: Array, mask: Array | None,
   length, kv_heads = key.shape[1], key.shape[2]
   group = _check_groups(heads, kv_heads)
   sources = rows // beams
-  # Split from the cache's own layout (`_keys_last`), which the products read without a copy.
+  # Source b, holder beam i, key/value head n, querying beam j, group g, query q, slot l. The
+  # keys and values are split from the cache's own layout (`_keys_last`), and both beams are
+  # batch dimensions of the products, so that they read the cache without a copy.
   keys, values = (_keys_last(x).reshape(sources, beams, kv_heads, head_dim, length)
                   for x in (key, value))
-  # Source, holder beam i, key/value head n, querying beam j, group g, query, slot. Both beams
-  # are batch dimensions of the products, so the keys are read in the cache's own layout.
   queries = jnp.transpose(query.reshape(sources, beams, num_queries, kv_heads, group, head_dim),
                           (0, 3, 1, 4, 2, 5))[:, None]  # [b, 1, n, j, g, q, d]
   queries = jnp.broadcast_to(queries, (sources, beams) + queries.shape[2:])
