@@ -193,7 +193,9 @@ def beam_attention(query: Array, key: Array, value: Array, mask: Array | None,
     visible = visible & _by_source(mask, sources, beams, kv_heads, num_queries, length)
   scores = jnp.where(visible, scores, _MASKED_SCORE)
   weights = jax.nn.softmax(scores, axis=(1, 6)).astype(value.dtype)  # over holders and slots
-  out = jnp.einsum("binjgql,bindl->binjgqd", weights, values).sum(axis=1)  # [b, n, j, g, q, d]
+  # Each holder's part in float32, so that 16-bit values round once, after the sum.
+  out = jnp.einsum("binjgql,bindl->binjgqd", weights, values, preferred_element_type=jnp.float32
+                   ).sum(axis=1).astype(value.dtype)  # [b, n, j, g, q, d]
   return jnp.transpose(out, (0, 2, 4, 1, 3, 5)).reshape(rows, num_queries, heads, head_dim)
 
 
