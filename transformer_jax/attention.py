@@ -65,18 +65,24 @@ def combine_masks(*masks: Array | None) -> Array | None:
   return nn.combine_masks(*present, dtype=jnp.bool_)
 
 
-def _attend(scores: Array, value: Array, mask: Array | None, dropout_rate: float,
-            dropout_rng: Array | None, bias: Array | None = None,
-            softcap: float | None = None) -> tuple[Array, Array]:
-  """Masked softmax over keys (float32) of the scores (soft-capped to (-softcap, softcap)
-  where given) plus `bias`, then the weighted sum of values."""
+def _softmax_weights(scores: Array, mask: Array | None, bias: Array | None,
+                     softcap: float | None, axis: int | tuple[int, ...] = -1) -> Array:
+  """Masked softmax (float32) over the key `axis` of the scores, soft-capped to (-softcap,
+  softcap) where given, plus `bias`."""
   if softcap:
     scores = jnp.tanh(scores / jnp.float32(softcap)) * jnp.float32(softcap)
   if bias is not None:
     scores = scores + bias
   if mask is not None:
     scores = jnp.where(mask, scores, _MASKED_SCORE)
-  weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1)  # [b, h, q, k], rows sum to 1
+  return jax.nn.softmax(scores.astype(jnp.float32), axis=axis)
+
+
+def _attend(scores: Array, value: Array, mask: Array | None, dropout_rate: float,
+            dropout_rng: Array | None, bias: Array | None = None,
+            softcap: float | None = None) -> tuple[Array, Array]:
+  """`_softmax_weights` over keys, then the weighted sum of values."""
+  weights = _softmax_weights(scores, mask, bias, softcap)  # [b, h, q, k], rows sum to 1
   attended = weights
   if dropout_rng is not None and dropout_rate > 0.0:
     keep, keep_prob = layers.dropout_keep_mask(dropout_rng, dropout_rate, weights.shape)
@@ -182,17 +188,15 @@ def beam_attention(query: Array, key: Array, value: Array, mask: Array | None,
   scores = jnp.einsum("binjgqd,bindl->binjgql", queries, keys,
                       preferred_element_type=jnp.float32)
   scores = scores * jnp.float32(head_dim ** -0.5 if scale is None else scale)
-  if softcap:
-    scores = jnp.tanh(scores / jnp.float32(softcap)) * jnp.float32(softcap)
-  if bias is not None:
-    scores = scores + _by_source(bias, sources, beams, kv_heads, num_queries, length)
   holder = jnp.arange(beams)[None, :, None] + slot_rows.reshape(sources, beams, length)
   held = holder[:, None] == jnp.arange(beams)[None, :, None, None]  # [b, i, j, L]
   visible = held[:, :, None, :, None, None, :]
   if mask is not None:
     visible = visible & _by_source(mask, sources, beams, kv_heads, num_queries, length)
-  scores = jnp.where(visible, scores, _MASKED_SCORE)
-  weights = jax.nn.softmax(scores, axis=(1, 6)).astype(value.dtype)  # over holders and slots
+  if bias is not None:
+    bias = _by_source(bias, sources, beams, kv_heads, num_queries, length)
+  weights = _softmax_weights(scores, visible, bias, softcap,
+                             axis=(1, 6)).astype(value.dtype)  # over holders and slots
   # Each holder's part in float32, so that 16-bit values round once, after the sum.
   out = jnp.einsum("binjgql,bindl->binjgqd", weights, values, preferred_element_type=jnp.float32
                    ).sum(axis=1).astype(value.dtype)  # [b, n, j, g, q, d]
