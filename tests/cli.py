@@ -1,5 +1,7 @@
 """Runs of `python -m transformer_jax.main` as a user starts them, for the robustness tests."""
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -73,6 +75,41 @@ def run_main(*args, input=None, environ=None,  # pylint: disable=redefined-built
   return subprocess.run([sys.executable, "-m", "transformer_jax.main", *args], cwd=ROOT,
                         env=environ or env(), capture_output=True, text=True, timeout=timeout,
                         input=input)
+
+
+def main_in_process(monkeypatch, *args: str, stdin: str = "") -> tuple[int, str]:
+  """`python -m transformer_jax.main ARGS` through main's own flag parsing and entry, in this
+  process: (exit status, what it wrote to stderr). A process per call costs seconds of imports;
+  the tests that need a real process (its exit, signals, devices) start one."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  from absl import logging  # pylint: disable=import-outside-toplevel
+  from transformer_jax import main  # pylint: disable=import-outside-toplevel
+  argv = ["transformer_jax.main", *args]
+  monkeypatch.setattr(sys, "argv", argv)  # config_flags reads its overrides there
+  monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode())))
+  handler, was_parsed = logging.get_absl_handler(), flags.FLAGS.is_parsed()
+  filters, level = list(handler.filters), logging.get_absl_logger().level
+
+  def forget_flags():  # a parse registers a flag per --config.KEY override
+    for name in [name for name in flags.FLAGS if name.startswith("config.")]:
+      delattr(flags.FLAGS, name)
+    flags.FLAGS.unparse_flags()
+
+  forget_flags()
+  stderr, code = io.StringIO(), 0
+  try:
+    with contextlib.redirect_stderr(stderr):
+      main.parse_flags(argv)
+      main.main(argv[:1])
+  except SystemExit as e:
+    code = e.code
+  finally:
+    forget_flags()
+    if was_parsed:
+      flags.FLAGS.mark_as_parsed()
+    handler.filters[:] = filters  # main's log filter reads the flags
+    logging.get_absl_logger().setLevel(level)  # the parse set it from --verbosity
+  return code, stderr.getvalue()
 
 
 def user_error(stderr: str) -> str:

@@ -116,9 +116,7 @@ VARIANTS = {
     "additive_cross_attention": dict(cross_attention_score="additive"),
     "activation_dropout": dict(activation_dropout_rate=0.2, attention_dropout_rate=0.1),
     "xla_attention": dict(attention_implementation="xla"),
-    "bfloat16": dict(dtype="bfloat16"),
-    "remat": dict(remat=True),
-}
+}  # bfloat16 and remat train in test_bfloat16_and_remat_match_float32
 
 
 @pytest.fixture(scope="module")

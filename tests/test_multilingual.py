@@ -232,35 +232,6 @@ def _generated_texts(out, tok) -> list[str]:
                      skip_special_tokens=True) for row in out.numpy()]
 
 
-def _main_in_process(args: list[str], monkeypatch) -> None:
-  """`python -m transformer_jax.main ARGS` through main's own flag parsing and entry, in this
-  process: a process per checkpoint and direction would cost seconds of imports each (one real
-  process: test_predict_cli_equals_generate)."""
-  from absl import flags  # pylint: disable=import-outside-toplevel
-  from absl import logging  # pylint: disable=import-outside-toplevel
-  from transformer_jax import main  # pylint: disable=import-outside-toplevel
-  argv = ["transformer_jax.main", *args]
-  monkeypatch.setattr(sys, "argv", argv)  # config_flags reads its overrides there
-  handler, was_parsed = logging.get_absl_handler(), flags.FLAGS.is_parsed()
-  filters, level = list(handler.filters), logging.get_absl_logger().level
-
-  def forget_flags():  # a parse registers a flag per --config.KEY override
-    for name in [name for name in flags.FLAGS if name.startswith("config.")]:
-      delattr(flags.FLAGS, name)
-    flags.FLAGS.unparse_flags()
-
-  forget_flags()
-  try:
-    main.parse_flags(argv)
-    main.main(argv[:1])
-  finally:
-    forget_flags()
-    if was_parsed:
-      flags.FLAGS.mark_as_parsed()
-    handler.filters[:] = filters  # main's log filter reads the flags
-    logging.get_absl_logger().setLevel(level)  # the parse set it from --verbosity
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_equals_generate_in_both_directions(built, texts, tmp_path, monkeypatch, kind):
   """Each direction through `--mode predict --pretrained` (its output file) and the
@@ -283,11 +254,12 @@ def test_greedy_equals_generate_in_both_directions(built, texts, tmp_path, monke
     assert not any(target in t or f"__{target}__" in t for t in reference)
     source_file, output = tmp_path / f"{source}.txt", tmp_path / f"{source}.out"
     source_file.write_text("\n".join(sentences) + "\n", encoding="utf-8")
-    _main_in_process(["--pretrained", b.folder, "--mode", "predict", "--input",
-                      str(source_file), "--output", str(output),
-                      f"--config.source_lang={source}", f"--config.target_lang={target}",
-                      "--config.decoding.method=greedy",
-                      f"--config.decoding.max_decode_len={NEW_TOKENS}"], monkeypatch)
+    code, stderr = cli.main_in_process(
+        monkeypatch, "--pretrained", b.folder, "--mode", "predict", "--input", str(source_file),
+        "--output", str(output), f"--config.source_lang={source}",
+        f"--config.target_lang={target}", "--config.decoding.method=greedy",
+        f"--config.decoding.max_decode_len={NEW_TOKENS}")
+    assert code == 0, stderr
     assert output.read_text(encoding="utf-8").splitlines() == reference
 
     predictor = made.pop()

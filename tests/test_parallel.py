@@ -156,7 +156,7 @@ def eight_devices(tmp_path_factory, data_cache):
   return workdir, _train(workdir, data_cache, 8, {"per_device_batch_size": 2})
 
 
-def test_one_device_pmap_jit_and_two_processes_give_the_same_loss(tmp_path, data_cache,
+def test_one_device_pmap_and_jit_give_the_same_loss(tmp_path, data_cache,
                                                                     eight_devices):
   workdir, eight = eight_devices
   one = _train(tmp_path / "one", data_cache, 1, {"per_device_batch_size": 16})
@@ -166,13 +166,8 @@ def test_one_device_pmap_jit_and_two_processes_give_the_same_loss(tmp_path, data
   jit = _train(tmp_path / "jit", data_cache, 8, {**JIT_8, "per_device_batch_size": 2})
   np.testing.assert_allclose(jit["loss"], one["loss"], rtol=1e-4)
   np.testing.assert_allclose(jit["accuracy"], one["accuracy"], rtol=1e-4)
-  # Two processes x 4 devices (jax.distributed over gloo on localhost) into one shared
-  # workdir, each process feeding its own half of every global batch.
-  two = _train(tmp_path / "two", data_cache, 4, {"per_device_batch_size": 2}, processes=2)
-  np.testing.assert_allclose(two["loss"], eight["loss"], rtol=1e-4)
-  # A checkpoint written by both processes is evaluated by one.
-  evaluated = commands.run_evaluate(str(tmp_path / "two"), split="validation")
-  np.testing.assert_allclose(evaluated["loss"], two["loss"], rtol=1e-5)
+  # Two processes give these losses in the next test (jit); two processes under pmap share a
+  # workdir through a preemption in tests/test_cloud.py.
 
 
 def test_two_processes_under_jit_write_one_sharded_checkpoint(tmp_path, data_cache,

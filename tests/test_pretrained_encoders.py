@@ -630,7 +630,7 @@ def test_a_head_of_another_size_needs_reset_head(folders, tmp_path):
   assert np.isfinite(result["loss"])
 
 
-def test_bad_input_is_one_line(folders, tmp_path):
+def test_bad_input_is_one_line(folders, tmp_path, monkeypatch):
   bert = folders("bert")
   no_tokenizer = tmp_path / "no_tokenizer"
   no_tokenizer.mkdir()
@@ -655,11 +655,13 @@ def test_bad_input_is_one_line(folders, tmp_path):
   chat = ("--config.prompt_format=chat", "--config.system_prompt=Be brief.")
   cases += [(folders("gpt2"), "needs the checkpoint's chat template", *chat),
             (refusing, "refused the conversation (TemplateError: No system turns.)", *chat)]
-  for folder, message, *extra in cases:
-    result = cli.run_main("--pretrained", str(folder), "--mode", "predict", *extra,
-                          input="a\n")
-    assert result.returncode == 1, result.stderr[-2000:]
-    assert message in cli.user_error(result.stderr), result.stderr[-2000:]
+  # The first as a user runs it, the others through the same entry in this process.
+  result = cli.run_main("--pretrained", str(cases[0][0]), "--mode", "predict", input="a\n")
+  assert result.returncode == 1 and cases[0][1] in cli.user_error(result.stderr)
+  for folder, message, *extra in cases[1:]:
+    code, stderr = cli.main_in_process(monkeypatch, "--pretrained", str(folder), "--mode",
+                                       "predict", *extra, stdin="a\n")
+    assert code == 1 and message in cli.user_error(stderr), stderr[-2000:]
   # A checkpoint of another family than the config's task.
   workdir = tmp_path / "wrong_family"
   result = cli.run(workdir, "--config", "tests/tiny_config.py:" + str(tmp_path / "cache"),
