@@ -23,8 +23,9 @@ from typing import Sequence
 
 import sentencepiece as spm
 
-from tests.conftest import ROOT
-
+# Not tests.conftest's ROOT: importing conftest sets the suite's XLA flags (LLVM -O0, no
+# vectorized loops), and the benchmarks that build their folders here must compile as users do.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(ROOT, "..", "shared", "data")
 
 # language -> files of the shared corpora (one sentence a line, plain or gzip).
