@@ -279,3 +279,15 @@ def test_the_readme_table_names_exactly_the_registered_model_types():
   # The checkpoints column names each model_type in backticks.
   named = {name for line in table for name in re.findall(r"`([a-z0-9_-]+)`", line.split("|")[2])}
   assert named == set(architecture.MODEL_TYPES)
+
+
+def test_the_benchmarks_fixtures_leave_the_xla_flags_alone():
+  """The benchmarks build folders and prompts with tests/hf_fixtures.py; importing it must not
+  bring in the suite's flags (conftest: LLVM -O0, which left every elementwise loop of
+  compare_generate's decode unvectorized and its numbers up to 1.4x slow)."""
+  environ = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  run = subprocess.run([sys.executable, "-c", "import os, tests.hf_fixtures; "
+                        "print(os.environ.get('XLA_FLAGS'))"], cwd=ROOT, env=environ,
+                       capture_output=True, text=True, timeout=120)
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert run.stdout.strip() == "None"
