@@ -156,8 +156,7 @@ def eight_devices(tmp_path_factory, data_cache):
   return workdir, _train(workdir, data_cache, 8, {"per_device_batch_size": 2})
 
 
-def test_one_device_pmap_and_jit_give_the_same_loss(tmp_path, data_cache,
-                                                                    eight_devices):
+def test_one_device_pmap_and_jit_give_the_same_loss(tmp_path, data_cache, eight_devices):
   workdir, eight = eight_devices
   one = _train(tmp_path / "one", data_cache, 1, {"per_device_batch_size": 16})
   np.testing.assert_allclose(eight["loss"], one["loss"], rtol=1e-4)
