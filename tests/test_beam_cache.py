@@ -24,25 +24,30 @@ def _holders(rng, sources: int, beams: int, length: int) -> np.ndarray:
   return (holder - np.arange(beams)[None, :, None]).reshape(sources * beams, length)
 
 
-@pytest.mark.parametrize("heads, kv_heads, with_bias, softcap", [
-    (4, 4, False, None), (4, 2, True, None), (6, 1, False, 5.0)])
+@pytest.mark.parametrize("heads, kv_heads, with_bias, softcap, prompt_len", [
+    (4, 4, False, None, 0), (4, 2, True, None, 0), (6, 1, False, 5.0, 0),
+    (4, 2, True, None, 3), (6, 1, False, 5.0, 3)])
 def test_beam_attention_is_attention_over_each_rows_own_slots(heads, kv_heads, with_bias,
-                                                              softcap):
+                                                              softcap, prompt_len):
   """Against the reference attention over the keys/values copied to each row (beam_slots):
-  plain and grouped heads, a per-head bias, a soft cap, a padding and causal mask."""
+  plain and grouped heads, a per-head bias, a soft cap, a padding and causal mask; with a
+  prompt (its slots alike in every beam of a source), the decoded slots passed apart."""
   rng = np.random.default_rng(0)
   sources, beams, length, dim = 3, 4, 7, 8
   rows = sources * beams
   query = jnp.asarray(rng.normal(size=(rows, 1, heads, dim)), jnp.float32)
-  key, value = (jnp.asarray(rng.normal(size=(rows, length, kv_heads, dim)), jnp.float32)
-                for _ in range(2))
+  key, value = (rng.normal(size=(rows, length, kv_heads, dim)) for _ in range(2))
+  for x in (key, value):  # each source's prompt, alike in its beams' rows
+    x[:, :prompt_len] = np.repeat(x[::beams, :prompt_len], beams, axis=0)
+  key, value = (jnp.asarray(x, jnp.float32) for x in (key, value))
   slot_rows = jnp.asarray(_holders(rng, sources, beams, length))
   mask = jnp.asarray(np.arange(length)[None, None, None, :] < np.repeat(
       rng.integers(2, length + 1, sources), beams)[:, None, None, None])
   bias = (jnp.asarray(rng.normal(size=(1, heads, 1, length)), jnp.float32) if with_bias
           else None)
+  decoded = (key[:, prompt_len:], value[:, prompt_len:]) if prompt_len else None
   got = attention.beam_attention(query, key, value, mask, slot_rows, beams, bias=bias,
-                                 softcap=softcap)
+                                 softcap=softcap, decoded=decoded)
   want = attention.dot_product_attention(
       query, attention.beam_slots(key, slot_rows), attention.beam_slots(value, slot_rows),
       mask, bias=bias, softcap=softcap)

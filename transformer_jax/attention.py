@@ -65,17 +65,22 @@ def combine_masks(*masks: Array | None) -> Array | None:
   return nn.combine_masks(*present, dtype=jnp.bool_)
 
 
-def _softmax_weights(scores: Array, mask: Array | None, bias: Array | None,
-                     softcap: float | None, axis: int | tuple[int, ...] = -1) -> Array:
-  """Masked softmax (float32) over the key `axis` of the scores, soft-capped to (-softcap,
-  softcap) where given, plus `bias`."""
+def _masked_scores(scores: Array, mask: Array | None, bias: Array | None,
+                   softcap: float | None) -> Array:
+  """float32 scores soft-capped to (-softcap, softcap) where given, plus `bias`, masked."""
   if softcap:
     scores = jnp.tanh(scores / jnp.float32(softcap)) * jnp.float32(softcap)
   if bias is not None:
     scores = scores + bias
   if mask is not None:
     scores = jnp.where(mask, scores, _MASKED_SCORE)
-  return jax.nn.softmax(scores.astype(jnp.float32), axis=axis)
+  return scores.astype(jnp.float32)
+
+
+def _softmax_weights(scores: Array, mask: Array | None, bias: Array | None,
+                     softcap: float | None, axis: int | tuple[int, ...] = -1) -> Array:
+  """Masked softmax (float32) over the key `axis` of `_masked_scores`."""
+  return jax.nn.softmax(_masked_scores(scores, mask, bias, softcap), axis=axis)
 
 
 def _attend(scores: Array, value: Array, mask: Array | None, dropout_rate: float,
@@ -152,14 +157,15 @@ def dot_product_attention(query: Array, key: Array, value: Array, mask: Array | 
 
 def beam_attention(query: Array, key: Array, value: Array, mask: Array | None,
                    slot_rows: Array, beams: int, *, bias: Array | None = None,
-                   scale: float | None = None, softcap: float | None = None) -> Array:
+                   scale: float | None = None, softcap: float | None = None,
+                   decoded: tuple[Array, Array] | None = None) -> Array:
   """`dot_product_attention` of beams that share their cache slots: each source's `beams`
   consecutive rows are the hypotheses of one beam search, and row j reads slot s from row
   j + slot_rows[j, s] of its source, the row whose beam wrote it (`reorder_beams`). Each query
   meets every key of its source's rows, the slots of other beams masked out, so the cache is
   read once per step as in plain decoding and never copied when beams are reordered. (The
-  score and value products do `beams` times the arithmetic, the prompt's slots included,
-  which every beam of a source holds alike: benchmarks/RESULTS.md, issue #42's fourth pass.)
+  score and value products do `beams` times the arithmetic; a prompt, which every beam of a
+  source holds alike, is read once with `decoded`: benchmarks/RESULTS.md, issue #42.)
 
   Args:
     query: [r, q, h, d], r = sources x beams.
@@ -169,6 +175,11 @@ def beam_attention(query: Array, key: Array, value: Array, mask: Array | None,
     slot_rows: int [r, L]: where each row's slots are, as offsets from the row.
     beams: rows per source.
     bias, scale, softcap: as in `dot_product_attention`.
+    decoded: where the cache holds a prompt (its first P slots, alike in every beam of a
+      source) and then L - P decoded slots: those decoded slots apart, [r, L - P, n, d] keys
+      and values (`with_beam_slots`). Each row then reads the prompt in its own row, and only
+      the decoded slots from every holder: L + beams x (L - P) slots a query instead of
+      beams x L.
 
   Returns:
     [r, q, h, d] outputs in `value.dtype`.
@@ -177,6 +188,25 @@ def beam_attention(query: Array, key: Array, value: Array, mask: Array | None,
   length, kv_heads = key.shape[1], key.shape[2]
   group = _check_groups(heads, kv_heads)
   sources = rows // beams
+  scale = jnp.float32(head_dim ** -0.5 if scale is None else scale)
+  prompt_len = 0 if decoded is None else length - decoded[0].shape[1]
+  own = None
+  if decoded is not None:  # the prompt, read in each row's own slots: [b, n, j, g, q, L]
+    grouped = query.reshape(rows, num_queries, kv_heads, group, head_dim)
+    own = jnp.einsum("rqngd,rknd->rngqk", grouped, key, preferred_element_type=jnp.float32)
+    in_prompt = jnp.arange(length) < prompt_len
+    own_mask = in_prompt if mask is None else mask & in_prompt
+    by_row = lambda x: jnp.broadcast_to(x, (rows, heads, num_queries, length)).reshape(
+        own.shape)
+    own = _masked_scores(own * scale, by_row(own_mask), None if bias is None else by_row(bias),
+                         softcap)
+    own = jnp.swapaxes(own.reshape(sources, beams, *own.shape[1:]), 1, 2)
+    prompt_values = _keys_last(value).reshape(sources, beams, kv_heads, head_dim, length)
+    key, value = decoded
+    length = length - prompt_len
+    slot_rows = slot_rows[:, prompt_len:]
+    mask = None if mask is None else mask[..., prompt_len:]
+    bias = None if bias is None else bias[..., prompt_len:]
   # Source b, holder beam i, key/value head n, querying beam j, group g, query q, slot l. The
   # keys and values are split from the cache's own layout (`_keys_last`), and both beams are
   # batch dimensions of the products, so that they read the cache without a copy.
@@ -186,8 +216,7 @@ def beam_attention(query: Array, key: Array, value: Array, mask: Array | None,
                           (0, 3, 1, 4, 2, 5))[:, None]  # [b, 1, n, j, g, q, d]
   queries = jnp.broadcast_to(queries, (sources, beams) + queries.shape[2:])
   scores = jnp.einsum("binjgqd,bindl->binjgql", queries, keys,
-                      preferred_element_type=jnp.float32)
-  scores = scores * jnp.float32(head_dim ** -0.5 if scale is None else scale)
+                      preferred_element_type=jnp.float32) * scale
   holder = jnp.arange(beams)[None, :, None] + slot_rows.reshape(sources, beams, length)
   held = holder[:, None] == jnp.arange(beams)[None, :, None, None]  # [b, i, j, L]
   visible = held[:, :, None, :, None, None, :]
@@ -195,12 +224,25 @@ def beam_attention(query: Array, key: Array, value: Array, mask: Array | None,
     visible = visible & _by_source(mask, sources, beams, kv_heads, num_queries, length)
   if bias is not None:
     bias = _by_source(bias, sources, beams, kv_heads, num_queries, length)
-  weights = _softmax_weights(scores, visible, bias, softcap,
-                             axis=(1, 6)).astype(value.dtype)  # over holders and slots
+  if own is None:
+    weights = _softmax_weights(scores, visible, bias, softcap,
+                               axis=(1, 6)).astype(value.dtype)  # over holders and slots
+  else:  # one softmax over the prompt's slots and the holders' decoded ones
+    scores = _masked_scores(scores, visible, bias, softcap)
+    top = jnp.maximum(jnp.max(own, axis=-1), jnp.max(scores, axis=(1, 6)))  # [b, n, j, g, q]
+    own = jnp.exp(own - top[..., None])
+    scores = jnp.exp(scores - top[:, None, ..., None])
+    total = jnp.sum(own, axis=-1) + jnp.sum(scores, axis=(1, 6))
+    weights = (scores / total[:, None, ..., None]).astype(value.dtype)
+    own = (own / total[..., None]).astype(value.dtype)
   # Each holder's part in float32, so that 16-bit values round once, after the sum.
   out = jnp.einsum("binjgql,bindl->binjgqd", weights, values, preferred_element_type=jnp.float32
-                   ).sum(axis=1).astype(value.dtype)  # [b, n, j, g, q, d]
-  return jnp.transpose(out, (0, 2, 4, 1, 3, 5)).reshape(rows, num_queries, heads, head_dim)
+                   ).sum(axis=1)  # [b, n, j, g, q, d]
+  if own is not None:  # the prompt's part, from each row's own slots
+    out = out + jnp.einsum("bnjgql,bjndl->bnjgqd", own, prompt_values,
+                           preferred_element_type=jnp.float32)
+  return jnp.transpose(out.astype(value.dtype), (0, 2, 4, 1, 3, 5)).reshape(
+      rows, num_queries, heads, head_dim)
 
 
 def _by_source(x: Array, sources: int, beams: int, kv_heads: int, num_queries: int,
@@ -222,6 +264,22 @@ def beam_slots(x: Array, slot_rows: Array) -> Array:
   return x[jnp.arange(rows)[:, None] + slot_rows, jnp.arange(length)[None, :]]
 
 
+def with_beam_slots(cache: Any, max_len: int) -> Any:
+  """A filled cache for beam search: where a self-attention cache holds a prompt before its
+  `max_len` decoding slots, 'decoded_key' / 'decoded_value' [b, n, d, max_len] beside it take
+  the decoded keys and values apart (`beam_attention`'s `decoded`)."""
+  def add(tree):
+    if not isinstance(tree, dict):
+      return tree
+    tree = {name: add(x) for name, x in tree.items()}
+    if "cached_key" in tree and tree["cached_key"].shape[-1] > max_len:
+      shape = tree["cached_key"].shape[:-1] + (max_len,)
+      tree.update(decoded_key=jnp.zeros(shape, tree["cached_key"].dtype),
+                  decoded_value=jnp.zeros(shape, tree["cached_value"].dtype))
+    return tree
+  return add(cache)
+
+
 def reorder_beams(cache: Any, rows: Array) -> Any:
   """Beam search's reorder of a cache filled with `beams` > 1: row r goes on with the
   hypothesis of row rows[r]. Keys and values stay where they are: each row's slot offsets
@@ -229,7 +287,7 @@ def reorder_beams(cache: Any, rows: Array) -> Any:
   Every other per-row entry of the cache is gathered; scalars are shared."""
   def reorder(path, x):
     name = getattr(path[-1], "key", None)
-    if x.ndim == 0 or name in ("cached_key", "cached_value"):
+    if x.ndim == 0 or name in ("cached_key", "cached_value", "decoded_key", "decoded_value"):
       return x
     if name == "slot_rows":
       return x[rows] + (rows - jnp.arange(x.shape[0]))[:, None]
@@ -341,6 +399,9 @@ class MultiHeadAttention(nn.Module):
   `beams` > 1 (decode mode): each source's `beams` consecutive rows are one beam search's
   hypotheses, which reorders them with `reorder_beams`: self-attention then reads each row's
   slots where its hypothesis wrote them (`beam_attention`), so that no keys or values move.
+  A cache that `with_beam_slots` gave 'decoded_key' / 'decoded_value' (a decoder-only model's,
+  after its prompt) also keeps the decoded slots there: the prompt is then read in each row's
+  own slots, once, and only the decoded slots from every beam of the source.
 
   `use_bias` False drops the projections' biases (`qkv_bias` / `out_bias`, where set, decide
   for the query/key/value and the output projections apart) and `scale_scores` False the 1/sqrt(d)
@@ -444,8 +505,12 @@ class MultiHeadAttention(nn.Module):
     scale = 1.0 if self.scale is None and not self.scale_scores else self.scale
     if beams > 1 and slot_rows is not None:
       if self.score == "dot_product" and not capture:
+        decoded = None
+        if self.has_variable("cache", "decoded_key"):
+          decoded = tuple(_from_keys_last(self.get_variable("cache", name))
+                          for name in ("decoded_key", "decoded_value"))
         return self._output(beam_attention(query, key, value, mask, slot_rows, beams, bias=bias,
-                                           scale=scale, softcap=self.softcap),
+                                           scale=scale, softcap=self.softcap, decoded=decoded),
                             inputs_q, out_bias, deterministic)
       key, value = beam_slots(key, slot_rows), beam_slots(value, slot_rows)
     if self.score == "dot_product" and self.implementation != "reference" and not (
@@ -560,6 +625,12 @@ class MultiHeadAttention(nn.Module):
     if beams > 1:
       slot_rows.value = jax.lax.dynamic_update_slice(
           slot_rows.value, jnp.zeros((shape[0], num_new), jnp.int32), (0, index))
+    if self.has_variable("cache", "decoded_key"):  # `with_beam_slots`: after the prompt
+      for name, new in (("decoded_key", key), ("decoded_value", value)):
+        decoded = self.get_variable("cache", name)
+        prompt_len = max_len - decoded.shape[3]
+        self.put_variable("cache", name, jax.lax.dynamic_update_slice(
+            decoded, _keys_last(new), (0, 0, 0, index - prompt_len)))
     # New token i (at absolute position index + i) sees cached positions <= index + i.
     query_positions = index + jnp.arange(num_new)[:, None]  # [q, 1]
     if prefix_fill:

@@ -189,6 +189,8 @@ class SequenceFamily(Family):
     `beams` > 1: the rows are the hypotheses of a beam search that reorders the cache with
     attention.reorder_beams (the keys and values stay where they were written)."""
     cache, context, start_id = self.prefill(params, inputs, rows, max_len, packing)
+    if beams > 1:
+      cache = attention.with_beam_slots(cache, max_len)
     return cache, self.step_logits(params, context, beams), start_id
 
   @abc.abstractmethod
