@@ -194,13 +194,12 @@ def beam_attention(query: Array, key: Array, value: Array, mask: Array | None,
   if decoded is not None:  # the prompt, read in each row's own slots: [b, n, j, g, q, L]
     grouped = query.reshape(rows, num_queries, kv_heads, group, head_dim)
     own = jnp.einsum("rqngd,rknd->rngqk", grouped, key, preferred_element_type=jnp.float32)
+    own = jnp.swapaxes(own.reshape(sources, beams, *own.shape[1:]), 1, 2)
     in_prompt = jnp.arange(length) < prompt_len
     own_mask = in_prompt if mask is None else mask & in_prompt
-    by_row = lambda x: jnp.broadcast_to(x, (rows, heads, num_queries, length)).reshape(
-        own.shape)
-    own = _masked_scores(own * scale, by_row(own_mask), None if bias is None else by_row(bias),
-                         softcap)
-    own = jnp.swapaxes(own.reshape(sources, beams, *own.shape[1:]), 1, 2)
+    by_source = lambda x: _by_source(x, sources, beams, kv_heads, num_queries, length)[:, 0]
+    own = _masked_scores(own * scale, by_source(own_mask),
+                         None if bias is None else by_source(bias), softcap)
     prompt_values = _keys_last(value).reshape(sources, beams, kv_heads, head_dim, length)
     key, value = decoded
     length = length - prompt_len
@@ -489,9 +488,10 @@ class MultiHeadAttention(nn.Module):
     query = nn.with_logical_constraint(query, ("batch", "length", "heads", "kv"))
     key, value = (nn.with_logical_constraint(x, ("batch", "length", kv_axis, "kv"))
                   for x in (key, value))
-    slot_rows = None
+    slot_rows = decoded = None
     if decode and self_attention:
-      key, value, mask, slot_rows = self._update_cache(key, value, mask, prefix_fill, beams)
+      key, value, mask, slot_rows, decoded = self._update_cache(key, value, mask, prefix_fill,
+                                                                beams)
     # Decoding several copies (beams, samples) of each source: their queries meet the one
     # copy of the source's keys/values as extra query positions, [b * c, q] -> [b, c * q].
     rows, num_queries = query.shape[:2]
@@ -505,10 +505,6 @@ class MultiHeadAttention(nn.Module):
     scale = 1.0 if self.scale is None and not self.scale_scores else self.scale
     if beams > 1 and slot_rows is not None:
       if self.score == "dot_product" and not capture:
-        decoded = None
-        if self.has_variable("cache", "decoded_key"):
-          decoded = tuple(_from_keys_last(self.get_variable("cache", name))
-                          for name in ("decoded_key", "decoded_value"))
         return self._output(beam_attention(query, key, value, mask, slot_rows, beams, bias=bias,
                                            scale=scale, softcap=self.softcap, decoded=decoded),
                             inputs_q, out_bias, deterministic)
@@ -606,7 +602,8 @@ class MultiHeadAttention(nn.Module):
     """Writes the new keys/values into the cache; returns all cached ones, their mask (causal
     over the new tokens, or with `prefix_fill` every slot written so far) and where each row's
     slots are ('slot_rows', `beam_attention`: a row writes its new slots itself; without beams
-    no row reads another's, and the offsets stay 0)."""
+    no row reads another's, and the offsets stay 0), and the decoded keys and values kept
+    apart from a prompt's (`with_beam_slots`; else None)."""
     initialized = self.has_variable("cache", "cached_key")
     shape = _keys_last(key).shape
     cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, key.dtype)
@@ -614,7 +611,7 @@ class MultiHeadAttention(nn.Module):
     cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
     slot_rows = self.variable("cache", "slot_rows", jnp.zeros, (shape[0], shape[3]), jnp.int32)
     if not initialized:  # the init pass only creates the cache
-      return key, value, mask, None
+      return key, value, mask, None, None
     num_new, max_len = key.shape[1], cached_key.value.shape[3]
     index = cache_index.value
     cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, _keys_last(key),
@@ -625,16 +622,20 @@ class MultiHeadAttention(nn.Module):
     if beams > 1:
       slot_rows.value = jax.lax.dynamic_update_slice(
           slot_rows.value, jnp.zeros((shape[0], num_new), jnp.int32), (0, index))
-    if self.has_variable("cache", "decoded_key"):  # `with_beam_slots`: after the prompt
-      for name, new in (("decoded_key", key), ("decoded_value", value)):
-        decoded = self.get_variable("cache", name)
-        prompt_len = max_len - decoded.shape[3]
-        self.put_variable("cache", name, jax.lax.dynamic_update_slice(
-            decoded, _keys_last(new), (0, 0, 0, index - prompt_len)))
+    def kept_apart(name, new):  # `with_beam_slots`: the decoded slots, after the prompt's
+      kept = self.get_variable("cache", name)
+      kept = jax.lax.dynamic_update_slice(kept, _keys_last(new),
+                                          (0, 0, 0, index - (max_len - kept.shape[3])))
+      self.put_variable("cache", name, kept)
+      return _from_keys_last(kept)
+
+    decoded = (tuple(kept_apart(name, x) for name, x in (("decoded_key", key),
+                                                          ("decoded_value", value)))
+               if self.has_variable("cache", "decoded_key") else None)
     # New token i (at absolute position index + i) sees cached positions <= index + i.
     query_positions = index + jnp.arange(num_new)[:, None]  # [q, 1]
     if prefix_fill:
       query_positions = jnp.full_like(query_positions, index + num_new - 1)
     visible = jnp.arange(max_len)[None, :] <= query_positions  # [q, max_len]
     return (_from_keys_last(cached_key.value), _from_keys_last(cached_value.value),
-            combine_masks(visible[None, None], mask), slot_rows.value)
+            combine_masks(visible[None, None], mask), slot_rows.value, decoded)
