@@ -2,7 +2,7 @@
 
   python benchmarks/compare_generate.py --pretrained DIR [--batch_sizes 1,8,32] \
       [--methods greedy,beam4,sample] [--new_tokens 64] [--prompt_tokens 0] [--rounds 3] \
-      [--threads 2] [--turns]
+      [--threads 2] [--turns] [--device cpu|cuda]
   # A folder of random weights at a known size first (no download needed): gpt2 (124M,
   # decoder-only), smollm2-135m (Llama blocks, GQA), t5-small (60M, encoder-decoder) or
   # nllb-1.3b (NLLB-200-distilled-1.3B's sizes, m2m_100, 5.5 GB of float32; English ->
@@ -24,7 +24,9 @@ turns, so that a machine whose speed drifts from minute to minute slows both ali
 2-core machine, two separate runs of the same measurement gave 0.85x and 1.31x an hour apart).
 Prints one JSON line per measurement and a table, with the
 memory-bandwidth bound at batch 1: every weight is read once per token, so tokens/s can be at
-most (measured read bandwidth) / (bytes of weights). A benchmark, not a test.
+most (measured read bandwidth) / (bytes of weights). With --device cuda both sides run on the
+GPU (JAX's default backend; transformers on cuda), their float32 matrix products on TF32 alike
+(JAX's default there; transformers is told to allow it). A benchmark, not a test.
 """
 
 import argparse
@@ -133,22 +135,24 @@ def run_ours(folder: str, method: str, batch_size: int, new_tokens: int, length:
 
 
 def run_torch(folder: str, method: str, batch_size: int, new_tokens: int, threads: int,
-              length: int = 0):
+              length: int = 0, device: str = "cpu"):
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   torch.set_num_threads(threads)
+  torch.backends.cuda.matmul.allow_tf32 = True  # as JAX's float32 products on a GPU
   _, _, hf_prompts = prompts(folder, batch_size, length)
   config = transformers.AutoConfig.from_pretrained(folder)
   auto = (transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder
           else transformers.AutoModelForCausalLM)
-  model = auto.from_pretrained(folder, dtype=torch.float32).eval()
+  model = auto.from_pretrained(folder, dtype=torch.float32).eval().to(device)
   pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
   width = max(map(len, hf_prompts))
   left = not config.is_encoder_decoder  # a causal LM continues the prompt's last token
   ids = torch.tensor([[pad] * (width - len(p)) + list(p) if left else
-                      list(p) + [pad] * (width - len(p)) for p in hf_prompts])
+                      list(p) + [pad] * (width - len(p)) for p in hf_prompts], device=device)
   mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) if left else
-                       [1] * len(p) + [0] * (width - len(p)) for p in hf_prompts])
+                       [1] * len(p) + [0] * (width - len(p)) for p in hf_prompts],
+                      device=device)
   m = METHODS[method]
   kwargs = dict(num_beams=m.get("beam_size", 1), do_sample=m["method"] == "sample",
                 min_new_tokens=new_tokens, max_new_tokens=new_tokens, pad_token_id=pad)
@@ -160,14 +164,14 @@ def run_torch(folder: str, method: str, batch_size: int, new_tokens: int, thread
 
   def call():
     with torch.inference_mode():
-      return model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+      return model.generate(input_ids=ids, attention_mask=mask, **kwargs).cpu()  # waits
 
   return call
 
 
 def read_bandwidth() -> float:
-  """Bytes per second of a read of a 1 GiB array on every core (a compiled sum in XLA, which
-  splits it over its CPU threads), best of 5."""
+  """Bytes per second of a read of a 1 GiB array on JAX's default device (a compiled sum; on
+  a CPU, XLA splits it over its threads), best of 5."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   array = jnp.ones(2 ** 28, jnp.float32)
@@ -190,7 +194,7 @@ def measure(args) -> list[dict]:
                              args.prompt_tokens)
   if args.side in ("torch", "both"):
     calls["torch"] = run_torch(args.pretrained, args.method, args.batch, args.new_tokens,
-                               args.threads, args.prompt_tokens)
+                               args.threads, args.prompt_tokens, args.device)
   times = {side: [] for side in calls}
   for call in calls.values():
     call()
@@ -227,6 +231,7 @@ def main():
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--threads", type=int, default=os.cpu_count())
   parser.add_argument("--turns", action="store_true")  # both sides in one process, in turns
+  parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
   parser.add_argument("--side", choices=["ours", "torch", "both"])  # internal: a measurement
   parser.add_argument("--method", choices=sorted(METHODS))
   parser.add_argument("--batch", type=int)
@@ -235,6 +240,11 @@ def main():
     for result in measure(args):
       print(json.dumps(result), flush=True)
     return
+  sides_env = dict(os.environ)
+  if args.device == "cpu":
+    os.environ["JAX_PLATFORMS"] = sides_env["JAX_PLATFORMS"] = "cpu"
+  else:  # this process's JAX must not hold 75% of the GPU while the sides run
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
   if args.make:
     make_folder(args.make, args.pretrained)
   bandwidth = read_bandwidth()  # before the sides start: nothing else is running
@@ -249,9 +259,9 @@ def main():
             [sys.executable, __file__, "--side", side, "--pretrained", args.pretrained,
              "--method", method, "--batch", str(batch), "--new_tokens", str(args.new_tokens),
              "--prompt_tokens", str(args.prompt_tokens),
-             "--rounds", str(args.rounds), "--threads", str(args.threads)],
-            capture_output=True, text=True, check=False,
-            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+             "--rounds", str(args.rounds), "--threads", str(args.threads),
+             "--device", args.device], capture_output=True, text=True, check=False,
+            env=sides_env)
         if out.returncode:
           sys.exit(f"{side} {method} batch {batch} failed:\n{out.stderr[-3000:]}")
         for line in out.stdout.strip().splitlines()[-(2 if side == "both" else 1):]:

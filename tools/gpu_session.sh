@@ -5,6 +5,7 @@
 #   bash tools/gpu_session.sh tests OUT [FILES] # the suite (tools/test_gpu.sh), or FILES
 #   bash tools/gpu_session.sh speed OUT         # step-speed sweep and a profiled step
 #   bash tools/gpu_session.sh recipe OUT        # configs/multi30k_gpu.py trained, test BLEU
+#   bash tools/gpu_session.sh pretrained OUT    # fine-tuning and decoding against transformers
 #
 # OUT collects the logs. Needs ml_collections, rouge-score and nltk where the image lacks them
 # (carried as wheels in .whl/) and, for the Multi30k runs, the corpus in .gpudata/multi30k/.
@@ -14,8 +15,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stage=${1:-} out=${2:-/tmp/gpu_session}
-if [[ ! $stage =~ ^(correctness|tests|speed|recipe)$ ]]; then
-  echo "usage: $0 correctness|tests|speed|recipe OUT" >&2
+if [[ ! $stage =~ ^(correctness|tests|speed|recipe|pretrained)$ ]]; then
+  echo "usage: $0 correctness|tests|speed|recipe|pretrained OUT" >&2
   exit 2
 fi
 mkdir -p "$out"
@@ -59,5 +60,20 @@ case $stage in
     grep -E "step [0-9]+ eval|Final eval|Error" "$out/m30k_gpu.log" | tail -4
     timeout 150 python3 -m transformer_jax.main --workdir /tmp/m30k_gpu --mode evaluate \
         2>&1 | tee "$out/m30k_gpu_test.log" | tail -1
+    ;;
+  pretrained)
+    # One fine-tuning step, bf16, 8,192 tokens a side per step: ours against transformers
+    # eager and torch.compile (all three compile at once), then decoding against generate.
+    # A stage cut by its timeout leaves its children: killed before the next one starts.
+    for run in "t5-base 32 256" "gpt2-0.5b 8 1024"; do
+      read -r model rows length <<< "$run"
+      timeout 200 python3 benchmarks/compare_pretrained_step.py --model "$model" \
+          --dtype bfloat16 --device cuda --compile --batch_size "$rows" --seq_len "$length" \
+          2>&1 | tee "$out/step_$model.log"
+      pkill -f compare_pretrained_step.py; sleep 2
+    done
+    timeout 200 python3 benchmarks/compare_generate.py --device cuda --make gpt2 \
+        --pretrained /tmp/gpt2_size --methods greedy,beam4 --batch_sizes 1,32 \
+        --new_tokens 64 2>&1 | tee "$out/generate_gpt2.log"
     ;;
 esac
