@@ -2,7 +2,7 @@
 transformers, on the same shapes.
 
   python benchmarks/compare_pretrained_step.py [--model t5-small|t5-base|gpt2-0.5b|smollm2-135m]
-      [--dtype float32|bfloat16] [--device cpu|cuda] [--compile]
+      [--dtype float32|bfloat16] [--device cpu|cuda] [--compile] [--logits_chunk_length N]
       [--batch_size 8 --seq_len 64 --rounds 5 --steps 3]
 
 Models, the same on both sides: t5-small (60M parameters: d_model 512, 6 + 6 layers, 8 heads,
@@ -29,6 +29,8 @@ Ours is trained by train.py's compiled step on JAX's default backend (config.mod
 'bfloat16' for --dtype bfloat16); PyTorch on --device, eager and, with --compile, under
 `torch.compile`, its forward under `torch.autocast(dtype=torch.bfloat16)` for --dtype bfloat16
 (on cuda: fused AdamW, and a `torch.cuda.synchronize()` ending each step).
+--logits_chunk_length sets ours' `config.logits_chunk_length` (output layer and loss over that
+many positions at a time).
 
 Each side runs in its own process and they take turns, `--steps` steps each per round, so
 that both see the same drift of a shared machine; prints one JSON line (median seconds per
@@ -91,6 +93,7 @@ def jax_runner(args):
     batch = {"targets": rng.integers(3, hf["vocab_size"], shape, dtype=np.int32),
              "weights": np.ones(shape, np.float32)}
   config.model.dtype = args.dtype  # parameters stay float32
+  config.logits_chunk_length = args.logits_chunk_length
   run = benchmark.train_step_runner(config, families.get(config), args.batch_size, seq_len,
                                     batch=batch)
   return run, jax.default_backend()
@@ -156,6 +159,7 @@ def main():
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--compile", action="store_true", help="also torch.compile")
+  parser.add_argument("--logits_chunk_length", type=int, default=0)
   parser.add_argument("--side", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.side:
@@ -169,7 +173,8 @@ def main():
   children = {side: subprocess.Popen(
       [sys.executable, __file__, "--side", side, "--model", args.model, "--dtype", args.dtype,
        "--device", args.device, "--batch_size", str(args.batch_size),
-       "--seq_len", str(args.seq_len)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+       "--seq_len", str(args.seq_len), "--logits_chunk_length", str(args.logits_chunk_length)],
+      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
       text=True, cwd=ROOT, env=jax_env if side == "jax" else None) for side in sides}
   versions = {}
   for side, child in children.items():
@@ -187,6 +192,7 @@ def main():
   medians = {side: statistics.median(t) for side, t in times.items()}
   result = dict(model=args.model, dtype=args.dtype, device=args.device,
                 jax_backend=versions["jax"], torch=versions["torch_eager"],
+                logits_chunk_length=args.logits_chunk_length,
                 batch_size=args.batch_size, seq_len=args.seq_len, step_s=medians)
   for side in sides[1:]:
     result[f"speedup_vs_{side}"] = round(medians[side] / medians["jax"], 2)

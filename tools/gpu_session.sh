@@ -62,14 +62,15 @@ case $stage in
         2>&1 | tee "$out/m30k_gpu_test.log" | tail -1
     ;;
   pretrained)
-    # One fine-tuning step, bf16, 8,192 tokens a side per step: ours against transformers
-    # eager and torch.compile (all three compile at once), then decoding against generate.
-    # A stage cut by its timeout leaves its children: killed before the next one starts.
-    for run in "t5-base 32 256" "gpt2-0.5b 8 1024"; do
-      read -r model rows length <<< "$run"
+    # One fine-tuning step, bf16, 8,192 tokens a side per step: ours (the last field:
+    # config.logits_chunk_length) against transformers eager and torch.compile (all three
+    # compile at once), then decoding against generate. A run cut by its timeout leaves its
+    # children: killed before the next one starts. (2026-11-26, H200: about 100 s a run.)
+    for run in "gpt2-0.5b 8 1024 0" "gpt2-0.5b 8 1024 256" "t5-base 32 256 0"; do
+      read -r model rows length chunk <<< "$run"
       timeout 200 python3 benchmarks/compare_pretrained_step.py --model "$model" \
           --dtype bfloat16 --device cuda --compile --batch_size "$rows" --seq_len "$length" \
-          2>&1 | tee "$out/step_$model.log"
+          --logits_chunk_length "$chunk" 2>&1 | tee "$out/step_${model}_chunk$chunk.log"
       pkill -f compare_pretrained_step.py; sleep 2
     done
     timeout 200 python3 benchmarks/compare_generate.py --device cuda --make gpt2 \

@@ -54,6 +54,7 @@ RANGES = {
     "learning_rate": (0, None, False, True),
     "warmup_steps": (0, None, True, True),
     "label_smoothing": (0, 1, True, False),
+    "logits_chunk_length": (0, None, True, True),
     "weight_decay": (0, None, True, True),
     "grad_clip_norm": (0, None, True, True),
     "layer_decay": (0, 1, False, True),
@@ -248,6 +249,9 @@ def _layer_option_problems(config: ml_collections.ConfigDict) -> list[str]:
   if not (isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}):
     found.append(f"config.model.sliding_window_pattern={pattern!r} must be letters 'L' "
                  "(a sliding-window layer) and 'G' (a global one), e.g. 'L' or 'LG'")
+  if config.get("logits_chunk_length") and not families.generates_text(config):
+    found.append("config.logits_chunk_length chunks a sequence model's output over its "
+                 "positions; a classifier has one output per row: leave it 0")
   if m.get("sliding_window") and not families.generates_text(config):  # an encoder alone
     found.append("config.model.sliding_window is for decoders (causal self-attention); a "
                  "classifier's encoder reads every position")

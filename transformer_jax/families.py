@@ -156,11 +156,25 @@ class EncoderDecoder(family_base.SequenceFamily):
       return inputs, None, codes
     return inputs, codes, None
 
-  def forward(self, params, batch: dict, *, deterministic: bool, rngs=None) -> Array:
+  def forward(self, params, batch: dict, *, deterministic: bool, rngs=None,
+              states_only: bool = False) -> Array:
+    """Logits [b, tgt_len, vocab] (`states_only`: the decoder's states before the output)."""
     return self.model.apply(
         {"params": params}, batch["inputs"], batch["targets"], batch.get("inputs_position"),
         batch.get("targets_position"), batch.get("inputs_segmentation"),
-        batch.get("targets_segmentation"), deterministic=deterministic, rngs=rngs or {})
+        batch.get("targets_segmentation"), deterministic=deterministic, rngs=rngs or {},
+        states_only=states_only)
+
+  def score_outputs(self, params, batch, score, *, deterministic, rngs=None):
+    chunk_length = self.config.get("logits_chunk_length", 0)
+    if not chunk_length:
+      return super().score_outputs(params, batch, score, deterministic=deterministic,
+                                   rngs=rngs)
+    labels, weights = self.labels_and_weights(batch)
+    states = self.forward(params, batch, deterministic=deterministic, rngs=rngs,
+                          states_only=True)
+    logits = lambda rows: self.model.apply({"params": params}, rows, method=self.model.logits)
+    return family_base.chunked_score(score, logits, states, labels, weights, chunk_length)
 
   def train_step_flops(self, batch_size: int) -> float:
     return flops.train_step_flops(self.model_config, batch_size, self.config.max_source_length,
@@ -311,9 +325,19 @@ class DecoderOnly(family_base.SequenceFamily):
     states = self.forward(params, batch, deterministic=deterministic, rngs=rngs,
                           method=self.model.states)
     states = states.reshape(-1, states.shape[-1])  # [b * len, emb]
-    budget = batch["targets"].shape[0] * self.config.max_target_length
-    logits = lambda rows: self.model.apply({"params": params}, rows, method=self.model.logits)
-    everywhere = lambda: score(logits(states), labels, weights)
+    rows = batch["targets"].shape[0]
+    budget = rows * self.config.max_target_length
+    logits = lambda x: self.model.apply({"params": params}, x, method=self.model.logits)
+    chunk_length = self.config.get("logits_chunk_length", 0)
+
+    def scored(states, labels, weights):  # flat [n, ...]: `rows` rows of n / rows positions
+      if not chunk_length:
+        return score(logits(states), labels, weights)
+      as_rows = lambda x: x.reshape((rows, -1) + x.shape[1:])
+      return family_base.chunked_score(score, logits, as_rows(states), as_rows(labels),
+                                       as_rows(weights), chunk_length)
+
+    everywhere = lambda: scored(states, labels, weights)
     if budget >= len(weights):
       return everywhere()
     count = jnp.sum(weights != 0)
@@ -321,7 +345,7 @@ class DecoderOnly(family_base.SequenceFamily):
     def weighted_only():
       index = jnp.nonzero(weights, size=budget, fill_value=0)[0]
       kept = jnp.where(jnp.arange(budget) < count, weights[index], 0.0)  # the fill weighs 0
-      return score(logits(states[index]), labels[index], kept)
+      return scored(states[index], labels[index], kept)
 
     return jax.lax.cond(count <= budget, weighted_only, everywhere)
 

@@ -206,6 +206,30 @@ class SequenceFamily(Family):
     `beams`: `start_decoding`'s."""
 
 
+def chunked_score(score, logits, states: Array, labels: Array, weights: Array,
+                  chunk_length: int):
+  """`score(logits(states), labels, weights)` for `states` [rows, len, emb], computed over
+  `chunk_length` positions of every row at a time and summed: every value `score` returns
+  must be a sum over positions (train.train_step's and evaluation's are). The float32 [rows, len, vocab] logits never exist
+  at once: the backward pass recomputes each chunk's (jax.checkpoint), so the output layer and
+  the loss take one chunk's memory, not the whole batch's. Rows stay on the chunks' second
+  axis: a batch sharded over devices stays where it is."""
+  length = states.shape[1]
+  if chunk_length >= length:
+    return score(logits(states), labels, weights)
+  pad = -length % chunk_length  # weight 0: adds nothing to any sum
+
+  def split(x):  # [rows, len, ...] -> [chunks, rows, chunk_length, ...]
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape((x.shape[0], -1, chunk_length) + x.shape[2:]), 1, 0)
+
+  chunks = tuple(split(x) for x in (states, labels, weights))
+  one_chunk = jax.checkpoint(lambda s, l, w: score(logits(s), l, w), prevent_cse=False)
+  add = lambda total, chunk: (jax.tree.map(jnp.add, total, one_chunk(*chunk)), None)
+  totals = zeros(jax.eval_shape(one_chunk, *(x[0] for x in chunks)))
+  return jax.lax.scan(add, totals, chunks)[0]
+
+
 def zeros(abstract_tree):
   """Zero arrays of the shapes and dtypes of `abstract_tree` (a KV cache's, from eval_shape)."""
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract_tree)

@@ -195,8 +195,9 @@ class EncoderDecoder(nn.Module):
   def decode(self, encoded: Array, inputs: Array, targets: Array,
              targets_position: Array | None = None, inputs_segmentation: Array | None = None,
              targets_segmentation: Array | None = None, *, deterministic: bool = False,
-             decode: bool = False, beams: int = 1) -> Array:
-    """Decoder logits [b, tgt_len, vocab] (float32).
+             decode: bool = False, beams: int = 1, states_only: bool = False) -> Array:
+    """Decoder logits [b, tgt_len, vocab] (float32); `states_only`: the decoder's states
+    [b, tgt_len, emb] before the output layer (`logits` of them: the logits).
 
     Training (`decode=False`): `targets` are the gold outputs, shifted right here. Decoding
     (`decode=True`): `targets` are the decoder's input tokens for this call (bos first; one
@@ -225,17 +226,23 @@ class EncoderDecoder(nn.Module):
     y = self.dropout(self.decoder_embedding_norm(y), deterministic=deterministic)
     y = self.decoder(y, encoded, self_mask, cross_mask, deterministic=deterministic,
                      decode=decode, positions=targets_position, beams=beams)
-    return _output_logits(self, self.target_embedding, y)
+    return y if states_only else self.logits(y)
 
   def __call__(self, inputs: Array, targets: Array, inputs_position: Array | None = None,
                targets_position: Array | None = None, inputs_segmentation: Array | None = None,
                targets_segmentation: Array | None = None, *, deterministic: bool = False,
-               decode: bool = False) -> Array:
-    """Teacher-forced logits [b, tgt_len, vocab] for `inputs` [b, src_len] -> `targets`."""
+               decode: bool = False, states_only: bool = False) -> Array:
+    """Teacher-forced logits [b, tgt_len, vocab] for `inputs` [b, src_len] -> `targets`
+    (`states_only`: as `decode`)."""
     encoded = self.encode(inputs, inputs_position, inputs_segmentation,
                           deterministic=deterministic)
     return self.decode(encoded, inputs, targets, targets_position, inputs_segmentation,
-                       targets_segmentation, deterministic=deterministic, decode=decode)
+                       targets_segmentation, deterministic=deterministic, decode=decode,
+                       states_only=states_only)
+
+  def logits(self, states: Array) -> Array:
+    """Float32 logits [..., vocab] of decoder `states` [..., emb]."""
+    return _output_logits(self, self.target_embedding, states)
 
 
 class DecoderOnly(nn.Module):
