@@ -153,6 +153,8 @@ def _short(texts, count: int, start: int = 300, tok=None) -> tuple[list[str], li
   of generation: one compilation."""
   fits = lambda text: len(text) < 120 and (
       tok is None or 15 <= len(tok(text, add_special_tokens=False)["input_ids"]) <= 29)
+  if len(texts[0]) <= start:  # hf_fixtures' built-in sentences (no shared corpora): all read
+    start = 0
   pairs = [(e, v) for e, v in zip(*(t[start:] for t in texts)) if fits(e) and fits(v)]
   assert len(pairs) >= count
   return [e for e, _ in pairs[:count]], [v for _, v in pairs[:count]]
@@ -417,7 +419,7 @@ def test_the_files_a_run_keeps_and_exports_keep_the_language_codes(built, texts,
   """What a fine-tuning run copies into WORKDIR/pretrained/ and an export writes back, for
   every kind (a run fine-tuning NLLB exports below): transformers reloads the same tokenizer,
   legacy_behaviour included, with the same codes and ids in both directions."""
-  en, vi = texts[0][300:310], texts[1][300:310]
+  en, vi = _short(texts, 10)
   for kind, b in built.items():
     workdir = str(tmp_path / kind)
     run_config.save_files(b.checkpoint, workdir)
