@@ -173,7 +173,7 @@ def _cross_key_problems(config: ml_collections.ConfigDict,
 
 
 def _model_problems(config: ml_collections.ConfigDict) -> list[str]:
-  """The model keys that do not fit each other (or the family)."""
+  """The model keys (and logits_chunk_length) that do not fit each other or the family."""
   found = []
   m = config.model
   if m.qkv_dim % m.num_heads:
@@ -211,6 +211,9 @@ def _model_problems(config: ml_collections.ConfigDict) -> list[str]:
   if m.get("prefix_lm") and families.name(config) != "decoder_only":
     found.append("config.model.prefix_lm=True is for config.architecture='decoder_only' (an "
                  "encoder already reads the source both ways)")
+  if config.get("logits_chunk_length") and not families.generates_text(config):
+    found.append("config.logits_chunk_length chunks a sequence model's output over its "
+                 "positions; a classifier has one output per row: leave it 0")
   found += _layer_option_problems(config)
   longest = families.longest_sequence(config)
   if longest > m.max_len:
@@ -249,9 +252,6 @@ def _layer_option_problems(config: ml_collections.ConfigDict) -> list[str]:
   if not (isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}):
     found.append(f"config.model.sliding_window_pattern={pattern!r} must be letters 'L' "
                  "(a sliding-window layer) and 'G' (a global one), e.g. 'L' or 'LG'")
-  if config.get("logits_chunk_length") and not families.generates_text(config):
-    found.append("config.logits_chunk_length chunks a sequence model's output over its "
-                 "positions; a classifier has one output per row: leave it 0")
   if m.get("sliding_window") and not families.generates_text(config):  # an encoder alone
     found.append("config.model.sliding_window is for decoders (causal self-attention); a "
                  "classifier's encoder reads every position")

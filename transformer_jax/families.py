@@ -166,15 +166,14 @@ class EncoderDecoder(family_base.SequenceFamily):
         states_only=states_only)
 
   def score_outputs(self, params, batch, score, *, deterministic, rngs=None):
-    chunk_length = self.config.get("logits_chunk_length", 0)
-    if not chunk_length:
+    if not self.logits_chunk_length:
       return super().score_outputs(params, batch, score, deterministic=deterministic,
                                    rngs=rngs)
     labels, weights = self.labels_and_weights(batch)
     states = self.forward(params, batch, deterministic=deterministic, rngs=rngs,
                           states_only=True)
-    logits = lambda rows: self.model.apply({"params": params}, rows, method=self.model.logits)
-    return family_base.chunked_score(score, logits, states, labels, weights, chunk_length)
+    return family_base.chunked_score(score, self.output_layer(params), states, labels, weights,
+                                     self.logits_chunk_length)
 
   def train_step_flops(self, batch_size: int) -> float:
     return flops.train_step_flops(self.model_config, batch_size, self.config.max_source_length,
@@ -327,8 +326,7 @@ class DecoderOnly(family_base.SequenceFamily):
     states = states.reshape(-1, states.shape[-1])  # [b * len, emb]
     rows = batch["targets"].shape[0]
     budget = rows * self.config.max_target_length
-    logits = lambda x: self.model.apply({"params": params}, x, method=self.model.logits)
-    chunk_length = self.config.get("logits_chunk_length", 0)
+    logits, chunk_length = self.output_layer(params), self.logits_chunk_length
 
     def scored(states, labels, weights):  # flat [n, ...]: `rows` rows of n / rows positions
       if not chunk_length:

@@ -153,6 +153,15 @@ class SequenceFamily(Family):
   """A family that generates text token by token from a KV cache."""
   packs_prompts = True
 
+  @property
+  def logits_chunk_length(self) -> int:
+    """config.logits_chunk_length, 0 (all positions at once) in a workdir saved before it."""
+    return self.config.get("logits_chunk_length", 0)
+
+  def output_layer(self, params):
+    """The model's output layer (`model.logits`): states [..., emb] -> float32 logits."""
+    return lambda states: self.model.apply({"params": params}, states, method=self.model.logits)
+
   def decode(self, params, inputs, rng, *, decoding_config, nbest=1, packing=None):
     inputs, forced_first, row_starts = self.split_prompt(inputs)
     max_len = self.max_decode_len(decoding_config, inputs.shape[1])
