@@ -30,7 +30,11 @@ Ours is trained by train.py's compiled step on JAX's default backend (config.mod
 `torch.compile`, its forward under `torch.autocast(dtype=torch.bfloat16)` for --dtype bfloat16
 (on cuda: fused AdamW, and a `torch.cuda.synchronize()` ending each step).
 --logits_chunk_length sets ours' `config.logits_chunk_length` (output layer and loss over that
-many positions at a time).
+many positions at a time). --attention_dropout R replaces gpt2-0.5b's attn_pdrop (0.1) on
+both sides: with it, ours runs the reference attention (the dropout needs the weights), and
+with 0 the fused one (cuDNN on a GPU); PyTorch's SDPA fuses the dropout either way. --profile_dir DIR runs ours alone, in this process: --steps timed
+steps after the warm-up, then a jax.profiler trace of 3 more in DIR (benchmarks/trace_summary.py
+sums it).
 
 Each side runs in its own process and they take turns, `--steps` steps each per round, so
 that both see the same drift of a shared machine; prints one JSON line (median seconds per
@@ -69,12 +73,22 @@ MODELS = {"t5-small": T5_SMALL,
           "gpt2-0.5b": GPT2_05B, "smollm2-135m": SMOLLM2_135M}
 
 
+def hf_fields(args) -> dict:
+  """The model's transformers config fields, with --attention_dropout where given."""
+  hf = dict(MODELS[args.model])
+  if args.attention_dropout is not None:
+    if hf["model_type"] != "gpt2":
+      raise SystemExit("--attention_dropout is for gpt2-0.5b (T5 and SmolLM2 have none apart)")
+    hf["attn_pdrop"] = args.attention_dropout
+  return hf
+
+
 def jax_runner(args):
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from transformer_jax import benchmark, default_config, families  # pylint: disable=g-import-not-at-top
   from transformer_jax.pretrained import gpt2, llama, t5  # pylint: disable=g-import-not-at-top
-  hf, seq_len = MODELS[args.model], args.seq_len
+  hf, seq_len = hf_fields(args), args.seq_len
   config = default_config.get_config()
   config.label_smoothing = 0.0
   if hf["model_type"] == "t5":
@@ -103,11 +117,12 @@ def torch_runner(args, compile_model: bool):
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   torch.manual_seed(0)
-  hf = {k: v for k, v in MODELS[args.model].items() if k != "model_type"}
-  is_t5 = MODELS[args.model]["model_type"] == "t5"
+  hf = hf_fields(args)
+  model_type = hf.pop("model_type")
+  is_t5 = model_type == "t5"
   if is_t5:
     model = transformers.T5ForConditionalGeneration(transformers.T5Config(**hf))
-  elif MODELS[args.model]["model_type"] == "llama":
+  elif model_type == "llama":
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf))
   else:
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**hf))
@@ -148,6 +163,28 @@ def serve(args) -> None:
     print((time.perf_counter() - start) / int(line), flush=True)
 
 
+def profile(args) -> None:
+  """Ours alone: the median step over --rounds of --steps, then a trace of 3 steps."""
+  import jax  # pylint: disable=g-import-not-at-top
+  run, backend = jax_runner(args)
+  for _ in range(2):
+    run()
+  rounds = []
+  for _ in range(args.rounds):
+    start = time.perf_counter()
+    for _ in range(args.steps):
+      run()
+    rounds.append((time.perf_counter() - start) / args.steps)
+  with jax.profiler.trace(args.profile_dir, create_perfetto_trace=True):
+    for _ in range(3):
+      run()
+  print(json.dumps(dict(model=args.model, dtype=args.dtype, jax_backend=backend,
+                        logits_chunk_length=args.logits_chunk_length,
+                        attention_dropout=hf_fields(args).get("attn_pdrop"),
+                        batch_size=args.batch_size, seq_len=args.seq_len,
+                        step_s=statistics.median(rounds), profile_dir=args.profile_dir)))
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--model", default="t5-small", choices=list(MODELS))
@@ -160,10 +197,17 @@ def main():
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--compile", action="store_true", help="also torch.compile")
   parser.add_argument("--logits_chunk_length", type=int, default=0)
+  parser.add_argument("--attention_dropout", type=float,
+                      help="gpt2-0.5b's attn_pdrop on both sides (default: its 0.1)")
+  parser.add_argument("--profile_dir", help="ours alone, then a trace of 3 steps here")
   parser.add_argument("--side", help=argparse.SUPPRESS)
   args = parser.parse_args()
+  hf_fields(args)  # a wrong --attention_dropout stops here, before any child starts
   if args.side:
     serve(args)
+    return
+  if args.profile_dir:
+    profile(args)
     return
   sides = ["jax", "torch_eager"] + (["torch_compile"] if args.compile else [])
   # The sides share one GPU at once, and JAX would preallocate 75% of its memory.
@@ -173,7 +217,9 @@ def main():
   children = {side: subprocess.Popen(
       [sys.executable, __file__, "--side", side, "--model", args.model, "--dtype", args.dtype,
        "--device", args.device, "--batch_size", str(args.batch_size),
-       "--seq_len", str(args.seq_len), "--logits_chunk_length", str(args.logits_chunk_length)],
+       "--seq_len", str(args.seq_len), "--logits_chunk_length", str(args.logits_chunk_length)]
+      + ([] if args.attention_dropout is None else
+         ["--attention_dropout", str(args.attention_dropout)]),
       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
       text=True, cwd=ROOT, env=jax_env if side == "jax" else None) for side in sides}
   versions = {}
@@ -193,6 +239,7 @@ def main():
   result = dict(model=args.model, dtype=args.dtype, device=args.device,
                 jax_backend=versions["jax"], torch=versions["torch_eager"],
                 logits_chunk_length=args.logits_chunk_length,
+                attention_dropout=hf_fields(args).get("attn_pdrop"),
                 batch_size=args.batch_size, seq_len=args.seq_len, step_s=medians)
   for side in sides[1:]:
     result[f"speedup_vs_{side}"] = round(medians[side] / medians["jax"], 2)

@@ -53,7 +53,7 @@ def _masks():
 
 
 def _precision(implementation):
-  half = attention.fused_implementation(implementation) == "cudnn"  # no float32 kernel
+  half = attention.resolve_implementation(implementation) == "cudnn"  # no float32 kernel
   return PRECISION["bfloat16" if half else "float32"]
 
 
@@ -71,16 +71,24 @@ def test_a_packed_segment_without_source_is_a_fully_masked_row():
 
 @pytest.mark.parametrize("dtype, length, head_dim, chosen", [
     (jnp.bfloat16, 8, 64, "cudnn"), (jnp.float16, 8, 64, "cudnn"),
-    (jnp.float32, 8, 64, "xla"),  # cuDNN has no float32 kernel
-    (jnp.bfloat16, 1, 64, "xla"),  # a decoding step's single query
-    (jnp.bfloat16, 8, 12, "xla"), (jnp.bfloat16, 8, 264, "xla")])  # head dims cuDNN refuses
+    (jnp.float32, 8, 64, "reference"),  # cuDNN has no float32 kernel
+    (jnp.bfloat16, 1, 64, "reference"),  # a decoding step's single query
+    (jnp.bfloat16, 8, 12, "reference"),  # head dimensions cuDNN refuses
+    (jnp.bfloat16, 8, 264, "reference")])
 def test_auto_takes_cudnn_only_where_its_kernels_apply(monkeypatch, dtype, length, head_dim,
                                                         chosen):
-  """Where 'auto' means cuDNN (a GPU), it falls back to XLA for inputs cuDNN cannot take."""
+  """Where 'auto' means cuDNN (a GPU), it falls back to the reference for inputs cuDNN cannot take."""
   monkeypatch.setitem(attention.AUTO_IMPLEMENTATION, jax.default_backend(), "cudnn")
   query = jnp.zeros((2, length, 4, head_dim), dtype)
-  assert attention.fused_implementation("auto", query) == chosen
-  assert attention.fused_implementation("xla", query) == "xla"
+  assert attention.resolve_implementation("auto", query) == chosen
+  assert attention.resolve_implementation("xla", query) == "xla"
+
+
+def test_auto_is_the_default_and_the_reference_off_a_gpu():
+  """Models default to 'auto': cuDNN on a GPU, the reference einsums on a CPU or TPU."""
+  assert models.TransformerConfig().attention_implementation == "auto"
+  query = jnp.zeros((2, 8, 4, 64), jnp.bfloat16)
+  assert attention.resolve_implementation("auto", query) == ("cudnn" if ON_GPU else "reference")
 
 
 @pytest.mark.parametrize("kind", ["encoder", "decoder", "cross"])

@@ -6,6 +6,7 @@
 #   bash tools/gpu_session.sh speed OUT         # step-speed sweep and a profiled step
 #   bash tools/gpu_session.sh recipe OUT        # configs/multi30k_gpu.py trained, test BLEU
 #   bash tools/gpu_session.sh pretrained OUT    # fine-tuning and decoding against transformers
+#   bash tools/gpu_session.sh lm OUT            # GPT-2 0.5B step: attention dropout, a trace
 #
 # OUT collects the logs. Needs ml_collections, rouge-score and nltk where the image lacks them
 # (carried as wheels in .whl/) and, for the Multi30k runs, the corpus in .gpudata/multi30k/.
@@ -15,8 +16,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stage=${1:-} out=${2:-/tmp/gpu_session}
-if [[ ! $stage =~ ^(correctness|tests|speed|recipe|pretrained)$ ]]; then
-  echo "usage: $0 correctness|tests|speed|recipe|pretrained OUT" >&2
+if [[ ! $stage =~ ^(correctness|tests|speed|recipe|pretrained|lm)$ ]]; then
+  echo "usage: $0 correctness|tests|speed|recipe|pretrained|lm OUT" >&2
   exit 2
 fi
 mkdir -p "$out"
@@ -76,5 +77,21 @@ case $stage in
     timeout 200 python3 benchmarks/compare_generate.py --device cuda --make gpt2 \
         --pretrained /tmp/gpt2_size --methods greedy,beam4 --batch_sizes 1,32 \
         --new_tokens 64 2>&1 | tee "$out/generate_gpt2.log"
+    ;;
+  lm)
+    # GPT-2 0.5B's bf16 step (8 x 1024) against both PyTorch sides, with its attention dropout
+    # (the reference attention: the dropout needs the weights) and without (cuDNN flash
+    # attention, 'auto'), then ours without, traced. (2026-11-26, H200: 130 s a comparison.)
+    for dropout in 0 0.1; do
+      timeout 200 python3 benchmarks/compare_pretrained_step.py --model gpt2-0.5b \
+          --dtype bfloat16 --device cuda --compile --batch_size 8 --seq_len 1024 --rounds 3 \
+          --attention_dropout $dropout 2>&1 | tee "$out/step_gpt2-0.5b_attn$dropout.log" | tail -1
+      pkill -f compare_pretrained_step.py; sleep 2
+    done
+    timeout 150 python3 benchmarks/compare_pretrained_step.py --model gpt2-0.5b \
+        --dtype bfloat16 --batch_size 8 --seq_len 1024 --attention_dropout 0 \
+        --profile_dir /tmp/trace_lm > "$out/profile_attn0.log" 2>&1
+    tail -1 "$out/profile_attn0.log"
+    python3 benchmarks/trace_summary.py /tmp/trace_lm --top 40 > "$out/trace_attn0.txt" 2>&1
     ;;
 esac

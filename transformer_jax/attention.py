@@ -294,25 +294,28 @@ def reorder_beams(cache: Any, rows: Array) -> Any:
   return jax.tree_util.tree_map_with_path(reorder, cache)
 
 
-# What 'auto' runs per backend (jax.default_backend()), where the inputs allow it (see
-# `fused_implementation`). On an H100, cuDNN through `fused_attention` matched the float32
-# reference on padded and packed bfloat16 batches and made the Transformer-base step 21% faster
-# than 'xla' (benchmarks/RESULTS.md, GPU section).
-AUTO_IMPLEMENTATION = {"gpu": "cudnn", "cpu": "xla", "tpu": "xla"}
+# What 'auto' runs per backend (jax.default_backend()) where the inputs allow it (see
+# `resolve_implementation`); elsewhere the reference einsums. On an H100, cuDNN through
+# `fused_attention` matched the float32 reference on padded and packed bfloat16 batches and
+# made the Transformer-base step 21% faster than 'xla' (benchmarks/RESULTS.md, GPU section).
+# CPU and TPU keep the reference path: the CPU's decoding speed and every exactness test were
+# measured on it, and on a TPU jax.nn's 'xla' is the same einsums.
+AUTO_IMPLEMENTATION = {"gpu": "cudnn"}
 
 
-def fused_implementation(implementation: str, query: Array | None = None) -> str:
-  """The `jax.nn.dot_product_attention` implementation that `implementation` ('xla', 'cudnn'
-  or 'auto') runs on the default backend for `query` [b, q, h, d]. 'auto' takes cuDNN only
-  where its flash kernels apply and pay: 16-bit inputs, a head dimension that is a multiple of
-  8 up to 256, and more than one query per row (a decoding step's single query runs on 'xla')."""
+def resolve_implementation(implementation: str, query: Array | None = None) -> str:
+  """What `implementation` ('reference', 'xla', 'cudnn' or 'auto') runs on the default
+  backend for `query` [b, q, h, d]: 'reference' (this file's einsums) or a
+  `jax.nn.dot_product_attention` implementation. 'auto' takes cuDNN only where its flash
+  kernels apply and pay: 16-bit inputs, a head dimension that is a multiple of 8 up to 256,
+  and more than one query per row (a decoding step's single query runs on the reference)."""
   if implementation != "auto":
     return implementation
-  chosen = AUTO_IMPLEMENTATION.get(jax.default_backend(), "xla")
+  chosen = AUTO_IMPLEMENTATION.get(jax.default_backend(), "reference")
   if chosen == "cudnn" and query is not None and not (
       query.dtype in (jnp.bfloat16, jnp.float16) and query.shape[-1] % 8 == 0
       and query.shape[-1] <= 256 and query.shape[1] > 1):
-    return "xla"
+    return "reference"
   return chosen
 
 
@@ -321,8 +324,11 @@ def fused_attention(query: Array, key: Array, value: Array, mask: Array | None,
                     scale: float | None = None) -> Array:
   """Dot-product attention through `jax.nn.dot_product_attention`: [b, q, h, d] like
   `dot_product_attention`, without weights or dropout. Key/value [b, k, n, d] with fewer
-  heads than the query are grouped by jax.nn itself (n must divide h)."""
-  implementation = fused_implementation(implementation, query)
+  heads than the query are grouped by jax.nn itself (n must divide h). 'auto' where it means
+  the reference runs `dot_product_attention`."""
+  implementation = resolve_implementation(implementation, query)
+  if implementation == "reference":
+    return dot_product_attention(query, key, value, mask, bias=bias, scale=scale)
   extra = {}  # only what is set: the call is the plain one otherwise
   if bias is not None:
     extra["bias"] = bias.astype(query.dtype)
@@ -369,9 +375,11 @@ class MultiHeadAttention(nn.Module):
   `score` picks how a query s meets a key h, per head: 'dot_product' (s^T h / sqrt(d), the
   Transformer's), 'multiplicative' (s^T W h, Luong) or 'additive' (v^T tanh(W1 h + W2 s),
   Bahdanau). `implementation` 'reference' computes dot-product attention with einsums here;
-  'xla', 'cudnn' or 'auto' call `jax.nn.dot_product_attention` (cuDNN flash attention on GPU),
-  except where the weights are needed: attention dropout in training, or weights captured in
-  the 'intermediates' collection (see `models.attention_weights`).
+  'xla' and 'cudnn' call `jax.nn.dot_product_attention` (cuDNN: flash attention on a GPU),
+  and 'auto' (the default) cuDNN where its kernels apply, the reference elsewhere
+  (`resolve_implementation`). The weights force the reference: attention dropout in
+  training, or weights captured in the 'intermediates' collection (see
+  `models.attention_weights`).
 
   In decode mode self-attention keys and values are kept in a 'cache' collection of shape
   [b, n, d, max_len] (`_keys_last`; n = the key/value heads): a call with m new tokens writes
@@ -509,9 +517,10 @@ class MultiHeadAttention(nn.Module):
                                            scale=scale, softcap=self.softcap, decoded=decoded),
                             inputs_q, out_bias, deterministic)
       key, value = beam_slots(key, slot_rows), beam_slots(value, slot_rows)
-    if self.score == "dot_product" and self.implementation != "reference" and not (
+    implementation = resolve_implementation(self.implementation, query)
+    if self.score == "dot_product" and implementation != "reference" and not (
         capture or dropout_rng is not None or self.softcap):
-      out = fused_attention(query, key, value, mask, self.implementation, bias, scale)
+      out = fused_attention(query, key, value, mask, implementation, bias, scale)
     else:
       out, weights = self._reference(query, key, value, mask, bias, scale, dropout_rng)
       if capture:

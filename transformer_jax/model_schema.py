@@ -126,7 +126,8 @@ class TransformerConfig:
   # float32 either way. True: float32 operands too (on a GPU that is a TF32 product, slower than
   # bfloat16's: benchmarks/RESULTS.md, GPU section); a float32 model is the same either way.
   logits_dot_in_float32: bool = False
-  attention_implementation: str = "reference"  # or 'xla', 'cudnn', 'auto' (jax.nn)
+  # 'auto': cuDNN flash attention where it applies (a GPU), else 'reference'; or 'xla', 'cudnn'
+  attention_implementation: str = "auto"
   remat: bool = False  # recompute each layer's activations in the backward pass
   remat_policy: str = "full"  # with remat: what is kept (see models.REMAT_POLICIES)
 
