@@ -31,14 +31,16 @@ Ours is trained by train.py's compiled step on JAX's default backend (config.mod
 (on cuda: fused AdamW, and a `torch.cuda.synchronize()` ending each step).
 --logits_chunk_length sets ours' `config.logits_chunk_length` (output layer and loss over that
 many positions at a time). --attention_dropout R replaces gpt2-0.5b's attn_pdrop (0.1) on
-both sides: with it, ours runs the reference attention (the dropout needs the weights), and
-with 0 the fused one (cuDNN on a GPU); PyTorch's SDPA fuses the dropout either way. --profile_dir DIR runs ours alone, in this process: --steps timed
-steps after the warm-up, then a jax.profiler trace of 3 more in DIR (benchmarks/trace_summary.py
-sums it).
+both sides: above 0, ours runs the reference attention (the dropout needs the weights); at 0,
+'auto' (cuDNN flash attention on a GPU). PyTorch's SDPA fuses the dropout either way.
+--profile_dir DIR runs ours alone, in this process: --rounds x --steps timed steps after the
+warm-up, then a jax.profiler trace of 3 more in DIR (benchmarks/trace_summary.py sums it).
 
 Each side runs in its own process and they take turns, `--steps` steps each per round, so
 that both see the same drift of a shared machine; prints one JSON line (median seconds per
-step over the rounds, and the ratios). A benchmark, not a test.
+step over the rounds, and the ratios). A benchmark, not a test. gpt2-0.5b on the CPU needs
+more memory than the 24 GB dev machine has: there its JAX side, building beside PyTorch's,
+is killed (out of memory); --profile_dir (ours alone) runs.
 """
 
 import argparse

@@ -77,7 +77,7 @@ def test_a_packed_segment_without_source_is_a_fully_masked_row():
     (jnp.bfloat16, 8, 264, "reference")])
 def test_auto_takes_cudnn_only_where_its_kernels_apply(monkeypatch, dtype, length, head_dim,
                                                         chosen):
-  """Where 'auto' means cuDNN (a GPU), it falls back to the reference for inputs cuDNN cannot take."""
+  """Where 'auto' means cuDNN (a GPU), inputs cuDNN cannot take fall back to the reference."""
   monkeypatch.setitem(attention.AUTO_IMPLEMENTATION, jax.default_backend(), "cudnn")
   query = jnp.zeros((2, length, 4, head_dim), dtype)
   assert attention.resolve_implementation("auto", query) == chosen
