@@ -14,7 +14,7 @@
 # Never run two stages at once: each JAX process takes 75% of the GPU's memory up front (two
 # Multi30k runs side by side ran out of memory in issue #41's session).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 stage=${1:-} out=${2:-/tmp/gpu_session}
 if [[ ! $stage =~ ^(correctness|tests|speed|recipe|pretrained|lm)$ ]]; then
   echo "usage: $0 correctness|tests|speed|recipe|pretrained|lm OUT" >&2
@@ -82,6 +82,9 @@ case $stage in
     # GPT-2 0.5B's bf16 step (8 x 1024) against both PyTorch sides, with its attention dropout
     # (the reference attention: the dropout needs the weights) and without (cuDNN flash
     # attention, 'auto'), then ours without, traced. (2026-11-26, H200: 130 s a comparison.)
+    # First the attention tests: 'auto' (the default since then) means cuDNN here.
+    timeout -s INT 120 bash tools/test_gpu.sh -rfE --tb=line \
+        tests/test_attention_implementations.py 2>&1 | tee "$out/attention_tests.log" | tail -3
     for dropout in 0 0.1; do
       timeout 200 python3 benchmarks/compare_pretrained_step.py --model gpt2-0.5b \
           --dtype bfloat16 --device cuda --compile --batch_size 8 --seq_len 1024 --rounds 3 \
