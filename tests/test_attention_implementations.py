@@ -91,6 +91,31 @@ def test_auto_is_the_default_and_the_reference_off_a_gpu():
   assert attention.resolve_implementation("auto", query) == ("cudnn" if ON_GPU else "reference")
 
 
+def test_auto_on_a_gpu_decodes_like_the_full_forward(monkeypatch):
+  """'auto' as a GPU runs it (the cuDNN branch of `fused_attention` wherever a call has more
+  than one query: a prompt's prefill, the full forward), XLA standing in for the kernel:
+  padded prompts of a prefix LM with RoPE and grouped heads fill the cache, decode, and equal
+  the full forward, and the branch was taken."""
+  from tests import test_modern_variants  # pylint: disable=g-import-not-at-top
+  calls = []
+  original = jax.nn.dot_product_attention
+
+  def kernel(query, key, value, *args, implementation=None, **kwargs):
+    calls.append(implementation)
+    return original(query, key, value, *args, implementation="xla", **kwargs)
+
+  def resolve(implementation, query=None):  # float32 here: the dtype check left out
+    if implementation != "auto":
+      return implementation
+    return "cudnn" if query is not None and query.shape[1] > 1 else "reference"
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", kernel)
+  monkeypatch.setattr(attention, "resolve_implementation", resolve)
+  test_modern_variants.test_decoder_only_padded_prompts_and_copies_decode_like_the_full_forward(
+      "prefix_rope_gqa")
+  assert calls and set(calls) == {"cudnn"}
+
+
 @pytest.mark.parametrize("kind", ["encoder", "decoder", "cross"])
 def test_cudnn_is_never_given_an_empty_row(monkeypatch, kind):
   """The cuDNN call's arguments and the result, on any backend: XLA stands in for the kernel."""
