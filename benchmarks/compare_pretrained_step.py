@@ -167,19 +167,13 @@ def serve(args) -> None:
 
 def profile(args) -> None:
   """Ours alone: the median step over --rounds of --steps, then a trace of 3 steps."""
-  import jax  # pylint: disable=g-import-not-at-top
+  from transformer_jax import benchmark  # pylint: disable=g-import-not-at-top
   run, backend = jax_runner(args)
   for _ in range(2):
     run()
-  rounds = []
-  for _ in range(args.rounds):
-    start = time.perf_counter()
-    for _ in range(args.steps):
-      run()
-    rounds.append((time.perf_counter() - start) / args.steps)
-  with jax.profiler.trace(args.profile_dir, create_perfetto_trace=True):
-    for _ in range(3):
-      run()
+  timed = benchmark._timed  # pylint: disable=protected-access
+  rounds = [timed(run, args.steps, warmup=0) for _ in range(args.rounds)]
+  benchmark.trace_steps(run, args.profile_dir)
   print(json.dumps(dict(model=args.model, dtype=args.dtype, jax_backend=backend,
                         logits_chunk_length=args.logits_chunk_length,
                         attention_dropout=hf_fields(args).get("attn_pdrop"),

@@ -48,6 +48,14 @@ def _timed(fn, steps: int, warmup: int) -> float:
   return (time.perf_counter() - start) / steps
 
 
+def trace_steps(run, profile_dir: str, steps: int = PROFILE_STEPS) -> None:
+  """A jax.profiler trace of `steps` calls of `run` in `profile_dir`, with the Perfetto file
+  that benchmarks/trace_summary.py reads."""
+  with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+    for _ in range(steps):
+      run()
+
+
 def train_step_runner(config, family, batch_size: int, seq_len: int,
                       batch: dict | None = None, with_state: bool = False):
   """A call that runs one training step (config.parallel's layout) on fixed random tokens (or
@@ -83,9 +91,7 @@ def train_speed(config, family, batch_size: int, seq_len: int, steps: int, warmu
   compile_s = time.perf_counter() - start
   seconds = _timed(run, steps, warmup)
   if profile_dir:
-    with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
-      for _ in range(PROFILE_STEPS):
-        run()
+    trace_steps(run, profile_dir)
   return {"train_step_s": seconds, "train_tokens_per_s": batch_size * seq_len / seconds,
           "compile_s": compile_s}
 
