@@ -15,7 +15,6 @@ from tests import cli
 from transformer_jax import checkpoints
 from transformer_jax import commands
 from transformer_jax import families
-from transformer_jax import predict
 from transformer_jax import run_lock
 from transformer_jax import train
 from transformer_jax import workdir as workdir_lib
@@ -39,9 +38,9 @@ def test_signal_saves_a_checkpoint_and_exits_zero_and_a_second_run_is_refused(
   message = cli.user_error(second.stderr)
   assert f"pid {first.pid}" in message and "is held by another run" in message
 
-  code, _, err, seconds = cli.stop(first, sig)
+  code, _, err = cli.stop(first, sig)
   assert code == 0, err[-3000:]
-  assert seconds < 60 and "Traceback" not in err
+  assert "Traceback" not in err
   assert "Re-run the same command to resume." in err.splitlines()[-1]
   assert _steps(workdir)[-1] > 10  # the step it stopped at, beside the periodic ones
   assert not os.path.exists(os.path.join(workdir, run_lock.LOCK_FILE))

@@ -226,7 +226,7 @@ def test_sigterm_answers_the_request_in_flight_and_exits_0(seq2seq):
     pending = pool.submit(seq2seq.post, "/v1/completions",
                           {"prompt": TEXTS, "max_tokens": 28, "n": 8, "temperature": 1})
     cli.wait_for(lambda: received() > before, seq2seq.process)
-    code, _, stderr, _ = cli.stop(seq2seq.process, signal.SIGTERM)
+    code, _, stderr = cli.stop(seq2seq.process, signal.SIGTERM)
     status, answer = pending.result()
   assert code == 0, stderr[-3000:]
   assert status == 200 and len(answer["choices"]) == 32, answer
