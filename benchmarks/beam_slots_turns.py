@@ -41,7 +41,7 @@ def main():
   start_decoding, search = family.start_decoding, generate.search
   family.start_decoding = (lambda params, inputs, rows, max_len, packing=None, beams=1:
                            start_decoding(params, inputs, rows, max_len, packing))
-  generate.search = lambda *a, reorder_cache=None, **kw: search(*a, **kw)
+  generate.search = lambda *a, reorder_cache=None, expand_beams=None, **kw: search(*a, **kw)
   generators["whole caches"] = generate.Generator(family, predictor.layout)
   generators["whole caches"].output_ids(params, prompts, 1, decoding)
   times = {name: [] for name in generators}

@@ -5,6 +5,8 @@ beams that each carry a whole cache of their own."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,7 +47,10 @@ def test_beam_attention_is_attention_over_each_rows_own_slots(heads, kv_heads, w
       rng.integers(2, length + 1, sources), beams)[:, None, None, None])
   bias = (jnp.asarray(rng.normal(size=(1, heads, 1, length)), jnp.float32) if with_bias
           else None)
-  decoded = (key[:, prompt_len:], value[:, prompt_len:]) if prompt_len else None
+  # The decoded slots as `with_beam_slots` keeps them: [sources, beams, n, d, slots].
+  decoded = (tuple(jnp.transpose(x[:, prompt_len:], (0, 2, 3, 1)).reshape(
+      sources, beams, kv_heads, dim, length - prompt_len) for x in (key, value))
+             if prompt_len else None)
   got = attention.beam_attention(query, key, value, mask, slot_rows, beams, bias=bias,
                                  softcap=softcap, decoded=decoded)
   want = attention.dot_product_attention(
@@ -83,7 +88,8 @@ def _whole_cache_beams(monkeypatch, family):
   monkeypatch.setattr(family, "start_decoding",
                       lambda params, inputs, rows, max_len, packing=None, beams=1:
                       start_decoding(params, inputs, rows, max_len, packing))
-  monkeypatch.setattr(generate, "search", lambda *args, reorder_cache=None, **kwargs:
+  monkeypatch.setattr(generate, "search",
+                      lambda *args, reorder_cache=None, expand_beams=None, **kwargs:
                       search(*args, **kwargs))
 
 
@@ -141,3 +147,26 @@ def test_from_scratch_models_search_beams_as_with_whole_caches(architecture, opt
   _compare_with_whole_cache_beams(monkeypatch, family, layout.place_params(
       params, jax.eval_shape(lambda: family.init_params(jax.random.PRNGKey(0), boxed=True))),
       prompts, decoding, layout)
+
+
+def test_the_compiled_beam_search_writes_its_caches_in_place(tiny_config):
+  """Issue #42's check of the optimized HLO: the search loop copies no key or value buffer.
+  (Read through a reshape, the decoded slots of `with_beam_slots` were written twice a step,
+  each time on a copy of the whole buffer.)"""
+  tiny_config.architecture = "decoder_only"
+  family = families.get(tiny_config)
+  params = family.init_params(jax.random.PRNGKey(0))
+  decoding = tiny_config.decoding
+  decoding.update(method="beam", beam_size=4, max_decode_len=8)
+  prompts = jnp.asarray(np.random.default_rng(0).integers(3, 60, (2, 5)), jnp.int32)
+  hlo = jax.jit(lambda p, x: family.decode(p, x, jax.random.PRNGKey(0),
+                                           decoding_config=decoding)).lower(
+                                               params, prompts).compile().as_text()
+  body = re.search(r" while\(.*body=%([\w.-]+)", hlo).group(1)
+  loop = hlo[hlo.index(f"\n%{body} "):]
+  loop = loop[:loop.index("\n}")]  # the loop body's own instructions, not its fusions'
+  # The decoded slots, [sources, beams, heads, head dim, slots], are written there...
+  assert re.search(r"= f32\[2,4,\d+,\d+,8\]\{[\d,]+\} fusion\(", loop)
+  # ... and no buffer of four or more dimensions (a cache) is copied.
+  copied = re.findall(r"= f32\[([\d,]+)\]\{[\d,]+\} copy\(", loop)
+  assert not [shape for shape in copied if shape.count(",") >= 3], copied

@@ -176,10 +176,10 @@ def beam_attention(query: Array, key: Array, value: Array, mask: Array | None,
     beams: rows per source.
     bias, scale, softcap: as in `dot_product_attention`.
     decoded: where the cache holds a prompt (its first P slots, alike in every beam of a
-      source) and then L - P decoded slots: those decoded slots apart, [r, L - P, n, d] keys
-      and values (`with_beam_slots`). Each row then reads the prompt in its own row, and only
-      the decoded slots from every holder: L + beams x (L - P) slots a query instead of
-      beams x L.
+      source) and then L - P decoded slots: those decoded slots apart, keys and values as
+      `with_beam_slots` keeps them, [b, beams, n, d, L - P]. Each row then reads the prompt in
+      its own row, and only the decoded slots from every holder: L + beams x (L - P) slots a
+      query instead of beams x L.
 
   Returns:
     [r, q, h, d] outputs in `value.dtype`.
@@ -189,7 +189,7 @@ def beam_attention(query: Array, key: Array, value: Array, mask: Array | None,
   group = _check_groups(heads, kv_heads)
   sources = rows // beams
   scale = jnp.float32(head_dim ** -0.5 if scale is None else scale)
-  prompt_len = 0 if decoded is None else length - decoded[0].shape[1]
+  prompt_len = 0 if decoded is None else length - decoded[0].shape[-1]
   own = None
   if decoded is not None:  # the prompt, read in each row's own slots: [b, n, j, g, q, L]
     grouped = query.reshape(rows, num_queries, kv_heads, group, head_dim)
@@ -201,16 +201,17 @@ def beam_attention(query: Array, key: Array, value: Array, mask: Array | None,
     own = _masked_scores(own * scale, by_source(own_mask),
                          None if bias is None else by_source(bias), softcap)
     prompt_values = _keys_last(value).reshape(sources, beams, kv_heads, head_dim, length)
-    key, value = decoded
+    keys, values = decoded
     length = length - prompt_len
     slot_rows = slot_rows[:, prompt_len:]
     mask = None if mask is None else mask[..., prompt_len:]
     bias = None if bias is None else bias[..., prompt_len:]
-  # Source b, holder beam i, key/value head n, querying beam j, group g, query q, slot l. The
-  # keys and values are split from the cache's own layout (`_keys_last`), and both beams are
-  # batch dimensions of the products, so that they read the cache without a copy.
-  keys, values = (_keys_last(x).reshape(sources, beams, kv_heads, head_dim, length)
-                  for x in (key, value))
+  else:
+    # Source b, holder beam i, key/value head n, querying beam j, group g, query q, slot l.
+    # The keys and values are split from the cache's own layout (`_keys_last`), and both beams
+    # are batch dimensions of the products, so that they read the cache without a copy.
+    keys, values = (_keys_last(x).reshape(sources, beams, kv_heads, head_dim, length)
+                    for x in (key, value))
   queries = jnp.transpose(query.reshape(sources, beams, num_queries, kv_heads, group, head_dim),
                           (0, 3, 1, 4, 2, 5))[:, None]  # [b, 1, n, j, g, q, d]
   queries = jnp.broadcast_to(queries, (sources, beams) + queries.shape[2:])
@@ -263,20 +264,37 @@ def beam_slots(x: Array, slot_rows: Array) -> Array:
   return x[jnp.arange(rows)[:, None] + slot_rows, jnp.arange(length)[None, :]]
 
 
-def with_beam_slots(cache: Any, max_len: int) -> Any:
-  """A filled cache for beam search: where a self-attention cache holds a prompt before its
-  `max_len` decoding slots, 'decoded_key' / 'decoded_value' [b, n, d, max_len] beside it take
-  the decoded keys and values apart (`beam_attention`'s `decoded`)."""
+def with_beam_slots(cache: Any, max_len: int, beams: int) -> Any:
+  """A filled cache for a beam search of `beams` rows a source: where a self-attention cache
+  holds a prompt before its `max_len` decoding slots, 'decoded_key' / 'decoded_value' beside it
+  take the decoded keys and values apart (`beam_attention`'s `decoded`). They are kept
+  [sources, beams, n, d, max_len], the shape `beam_attention` reads (`expand_beams` leaves them
+  so): read through a reshape, XLA:CPU wrote each of them twice a step, on copies of the
+  whole buffer."""
   def add(tree):
     if not isinstance(tree, dict):
       return tree
     tree = {name: add(x) for name, x in tree.items()}
     if "cached_key" in tree and tree["cached_key"].shape[-1] > max_len:
-      shape = tree["cached_key"].shape[:-1] + (max_len,)
+      sources, heads, head_dim, _ = tree["cached_key"].shape  # not yet expanded to beams
+      shape = (sources, beams, heads, head_dim, max_len)
       tree.update(decoded_key=jnp.zeros(shape, tree["cached_key"].dtype),
                   decoded_value=jnp.zeros(shape, tree["cached_value"].dtype))
     return tree
   return add(cache)
+
+
+_PER_BEAM = ("decoded_key", "decoded_value")  # `with_beam_slots`' leaves
+
+
+def expand_beams(cache: Any, beams: int) -> Any:
+  """Beam search's expansion of a cache filled for `beams` > 1 (decoding.expand_cache): each
+  row repeated `beams` times, except `with_beam_slots`' leaves, made per beam already."""
+  def expand(path, x):
+    if x.ndim == 0 or getattr(path[-1], "key", None) in _PER_BEAM:
+      return x
+    return jnp.repeat(x, beams, axis=0)
+  return jax.tree_util.tree_map_with_path(expand, cache)
 
 
 def reorder_beams(cache: Any, rows: Array) -> Any:
@@ -286,7 +304,7 @@ def reorder_beams(cache: Any, rows: Array) -> Any:
   Every other per-row entry of the cache is gathered; scalars are shared."""
   def reorder(path, x):
     name = getattr(path[-1], "key", None)
-    if x.ndim == 0 or name in ("cached_key", "cached_value", "decoded_key", "decoded_value"):
+    if x.ndim == 0 or name in ("cached_key", "cached_value") + _PER_BEAM:
       return x
     if name == "slot_rows":
       return x[rows] + (rows - jnp.arange(x.shape[0]))[:, None]
@@ -633,10 +651,11 @@ class MultiHeadAttention(nn.Module):
           slot_rows.value, jnp.zeros((shape[0], num_new), jnp.int32), (0, index))
     def kept_apart(name, new):  # `with_beam_slots`: the decoded slots, after the prompt's
       kept = self.get_variable("cache", name)
-      kept = jax.lax.dynamic_update_slice(kept, _keys_last(new),
-                                          (0, 0, 0, index - (max_len - kept.shape[3])))
+      kept = jax.lax.dynamic_update_slice(
+          kept, _keys_last(new).reshape(kept.shape[:-1] + (num_new,)),
+          (0, 0, 0, 0, index - (max_len - kept.shape[-1])))
       self.put_variable("cache", name, kept)
-      return _from_keys_last(kept)
+      return kept
 
     decoded = (tuple(kept_apart(name, x) for name, x in (("decoded_key", key),
                                                           ("decoded_value", value)))

@@ -123,11 +123,12 @@ def _no_cache_callback(family, params, encoded, source, batch_rows, decode_len):
 def _decode(params, inputs, *, family, decode_len: int, beam_size: int, use_cache: bool):
   """Decoded ids of random-weight `family` (no EOS, so every output is decode_len long):
   with the KV cache as predict and evaluation decode, or re-running the decoder."""
-  reorder_cache = None
+  reorder_cache = expand_beams = None
   if use_cache:
     cache, cached, _ = family.start_decoding(params, inputs, inputs.shape[0] * beam_size,
                                              decode_len, beams=beam_size)
-    reorder_cache = attention.reorder_beams if beam_size > 1 else None
+    if beam_size > 1:
+      reorder_cache, expand_beams = attention.reorder_beams, attention.expand_beams
 
     def tokens_to_logits(ids, cache):
       logits, cache = cached(ids, cache)
@@ -142,7 +143,7 @@ def _decode(params, inputs, *, family, decode_len: int, beam_size: int, use_cach
   if beam_size > 1:
     return decoding.beam_search(inputs, cache, tokens_to_logits, beam_size=beam_size, alpha=0.6,
                                 eos_id=NEVER, max_decode_len=decode_len,
-                                reorder_cache=reorder_cache)[0]
+                                reorder_cache=reorder_cache, expand_beams=expand_beams)[0]
   return decoding.greedy_search(cache, tokens_to_logits, batch_size=inputs.shape[0], bos_id=2,
                                 eos_id=NEVER, max_decode_len=decode_len)
 

@@ -638,7 +638,8 @@ def beam_search(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, *,
                 end_ids: Sequence[int] = (), decoder_prompt: Array | None = None,
                 logits_processor: LogitsProcessor | None = None,
                 length_penalty_kind: str = "gnmt",
-                reorder_cache: Callable[[Any, Array], Any] | None = None
+                reorder_cache: Callable[[Any, Array], Any] | None = None,
+                expand_beams: Callable[[Any, int], Any] | None = None
                 ) -> tuple[Array, Array]:
   """Beam search with a length penalty, live and finished hypotheses apart (the module
   docstring says how).
@@ -661,6 +662,8 @@ def beam_search(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, *,
       hypothesis of row rows[r]; None: every leaf's rows gathered. (A model that reads its
       keys and values through per-row slot offsets moves only those:
       attention.reorder_beams.)
+    expand_beams: (cache, beam) -> the cache for batch * beam rows; None: `expand_cache`
+      (attention.expand_beams also leaves the leaves made per beam already).
 
   Returns:
     sequences int32 [batch, beam, max_decode_len] (zeros after EOS) and scores float32
@@ -675,7 +678,7 @@ def beam_search(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, *,
   _check("max_decode_len", max_decode_len, lambda v: v >= 1, ">= 1")
   k, length = beam_size, max_decode_len
   forced = _forced_tokens(decoder_prompt, 1, length)  # [batch, length] or None
-  state = _initial_beams(batch_size, k, length, bos_id, cache)
+  state = _initial_beams(batch_size, k, length, bos_id, (expand_beams or expand_cache)(cache, k))
   cond = lambda state: _still_searching(state, penalty, length)
 
   def body(state):
@@ -720,13 +723,13 @@ def _initial_beams(batch_size: int, k: int, length: int, bos_id: int | Array,
                    cache: Any) -> tuple:
   """Beam search's loop state at step 0: (step, live sequences [batch, k, length + 1] (the
   bos at position 0, which the output drops), their log-probs, finished sequences, their
-  scores, the cache expanded to k beams)."""
+  scores, the cache, expanded to k beams already)."""
   live_seqs = jnp.zeros((batch_size, k, length + 1), jnp.int32).at[:, :, 0].set(
       first_inputs(bos_id, batch_size * k).reshape(batch_size, k))
   # Only the first beam is alive at the start, so the first step does not pick k copies.
   live_logprobs = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (batch_size, 1))
   return (jnp.array(0), live_seqs, live_logprobs, jnp.zeros_like(live_seqs),
-          jnp.full((batch_size, k), NEG_INF, jnp.float32), expand_cache(cache, k))
+          jnp.full((batch_size, k), NEG_INF, jnp.float32), cache)
 
 
 def _still_searching(state: tuple, penalty: Callable[[Array], Array], length: int) -> Array:

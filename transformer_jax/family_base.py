@@ -174,7 +174,8 @@ class SequenceFamily(Family):
                            batch_size=inputs.shape[0], decoding_config=decoding_config,
                            max_len=max_len, nbest=nbest, forced_first=forced_first,
                            row_limits=self.output_limits(inputs, decoding_config),
-                           reorder_cache=attention.reorder_beams if beams > 1 else None)
+                           reorder_cache=attention.reorder_beams if beams > 1 else None,
+                           expand_beams=attention.expand_beams if beams > 1 else None)
 
   def output_limits(self, inputs: Array, decoding_config: ml_collections.ConfigDict
                     ) -> Array | None:
@@ -199,7 +200,7 @@ class SequenceFamily(Family):
     attention.reorder_beams (the keys and values stay where they were written)."""
     cache, context, start_id = self.prefill(params, inputs, rows, max_len, packing)
     if beams > 1:
-      cache = attention.with_beam_slots(cache, max_len)
+      cache = attention.with_beam_slots(cache, max_len, beams)
     return cache, self.step_logits(params, context, beams), start_id
 
   @abc.abstractmethod

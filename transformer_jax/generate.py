@@ -72,7 +72,8 @@ def search(cache: Any, tokens_to_logits: decoding.TokensToLogits, rng: Array, *,
            start_id: int, batch_size: int, decoding_config: ml_collections.ConfigDict,
            max_len: int, nbest: int = 1, forced_first: Array | None = None,
            row_limits: Array | None = None,
-           reorder_cache: Callable[[Any, Array], Any] | None = None) -> tuple[Array, Array]:
+           reorder_cache: Callable[[Any, Array], Any] | None = None,
+           expand_beams: Callable[[Any, int], Any] | None = None) -> tuple[Array, Array]:
   """Runs the configured search: ([b, nbest, max_len] output ids, [b, nbest] scores), best
   first. Scores are what the search ranks by: the length-penalised log-probability for beam
   search, the log-probability for greedy and sampled outputs.
@@ -83,8 +84,8 @@ def search(cache: Any, tokens_to_logits: decoding.TokensToLogits, rng: Array, *,
   BOS / EOS) apply to every method; `forced_first` [b]: a first output token per example (0 =
   none) instead of `forced_bos_id` (each row's target language); `row_limits` [b]: output
   tokens per example before an EOS that ends it (a decoder-only prompt's room under
-  `decoding.max_total_len`); `reorder_cache`: how beam search reorders the cache's rows
-  (decoding.beam_search).
+  `decoding.max_total_len`); `reorder_cache`, `expand_beams`: how beam search reorders the
+  cache's rows and expands them to its beams (decoding.beam_search).
   """
   d = decoding_config
   end_ids = tuple(d.end_ids)
@@ -103,7 +104,8 @@ def search(cache: Any, tokens_to_logits: decoding.TokensToLogits, rng: Array, *,
     sequences, scores = decoding.beam_search(dummy_inputs, cache, tokens_to_logits,
                                              beam_size=d.beam_size, alpha=d.alpha,
                                              length_penalty_kind=d.length_penalty,
-                                             reorder_cache=reorder_cache, **common)
+                                             reorder_cache=reorder_cache,
+                                             expand_beams=expand_beams, **common)
     return sequences[:, :nbest], scores[:, :nbest]
   if d.method == "greedy":
     tokens, scores = decoding.greedy_search(cache, tokens_to_logits, batch_size=batch_size,
