@@ -2,7 +2,7 @@
 
   python benchmarks/compare_generate.py --pretrained DIR [--batch_sizes 1,8,32] \
       [--methods greedy,beam4,sample] [--new_tokens 64] [--prompt_tokens 0] [--rounds 3] \
-      [--threads 2] [--turns] [--device cpu|cuda]
+      [--threads 2] [--turns] [--device cpu|cuda] [--profile_dir DIR]
   # A folder of random weights at a known size first (no download needed): gpt2 (124M,
   # decoder-only), smollm2-135m (Llama blocks, GQA), t5-small (60M, encoder-decoder) or
   # nllb-1.3b (NLLB-200-distilled-1.3B's sizes, m2m_100, 5.5 GB of float32; English ->
@@ -26,7 +26,9 @@ Prints one JSON line per measurement and a table, with the
 memory-bandwidth bound at batch 1: every weight is read once per token, so tokens/s can be at
 most (measured read bandwidth) / (bytes of weights). With --device cuda both sides run on the
 GPU (JAX's default backend; transformers on cuda), their float32 matrix products on TF32 alike
-(JAX's default there; transformers is told to allow it). A benchmark, not a test.
+(JAX's default there; transformers is told to allow it). With --profile_dir only our side runs:
+one traced call per method and batch after its compile, in DIR/METHOD_bBATCH (read it with
+benchmarks/trace_summary.py DIR/METHOD_bBATCH --steps NEW_TOKENS). A benchmark, not a test.
 """
 
 import argparse
@@ -209,6 +211,18 @@ def measure(args) -> list[dict]:
           for side, seconds in times.items()]
 
 
+def profile(args) -> None:
+  """--profile_dir: a jax.profiler trace of one call of ours per method and batch."""
+  from transformer_jax import benchmark  # pylint: disable=g-import-not-at-top
+  for method in args.methods.split(","):
+    for batch in map(int, args.batch_sizes.split(",")):
+      call = run_ours(args.pretrained, method, batch, args.new_tokens, args.prompt_tokens)
+      call()  # the compile, untraced
+      folder = os.path.join(args.profile_dir, f"{method}_b{batch}")
+      benchmark.trace_steps(call, folder, steps=1)
+      print(f"traced: {folder}", flush=True)
+
+
 def weights_bytes(folder: str) -> int:
   """Bytes of float32 weights (what both sides compute in) that one decoding step reads: all of
   a decoder-only model's, an encoder-decoder's without its encoder (run once per input)."""
@@ -232,6 +246,7 @@ def main():
   parser.add_argument("--threads", type=int, default=os.cpu_count())
   parser.add_argument("--turns", action="store_true")  # both sides in one process, in turns
   parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+  parser.add_argument("--profile_dir")
   parser.add_argument("--side", choices=["ours", "torch", "both"])  # internal: a measurement
   parser.add_argument("--method", choices=sorted(METHODS))
   parser.add_argument("--batch", type=int)
@@ -247,6 +262,9 @@ def main():
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
   if args.make:
     make_folder(args.make, args.pretrained)
+  if args.profile_dir:
+    profile(args)
+    return
   bandwidth = read_bandwidth()  # before the sides start: nothing else is running
   bound = bandwidth / weights_bytes(args.pretrained)  # tokens/s at batch 1
   print(json.dumps({"read_bandwidth_gb_s": bandwidth / 1e9, "batch1_bound_tokens_per_s": bound}))
