@@ -662,8 +662,9 @@ def beam_search(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, *,
       hypothesis of row rows[r]; None: every leaf's rows gathered. (A model that reads its
       keys and values through per-row slot offsets moves only those:
       attention.reorder_beams.)
-    expand_beams: (cache, beam) -> the cache for batch * beam rows; None: `expand_cache`
-      (attention.expand_beams also leaves the leaves made per beam already).
+    expand_beams: (cache, beam) -> the cache for batch * beam rows; None: `expand_cache`,
+      every leaf's rows repeated. (attention.expand_beams skips the leaves that
+      attention.with_beam_slots made per beam already.)
 
   Returns:
     sequences int32 [batch, beam, max_decode_len] (zeros after EOS) and scores float32
