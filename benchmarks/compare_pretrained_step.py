@@ -3,7 +3,8 @@ transformers, on the same shapes.
 
   python benchmarks/compare_pretrained_step.py [--model t5-small|t5-base|gpt2-0.5b|smollm2-135m]
       [--dtype float32|bfloat16] [--device cpu|cuda] [--compile] [--logits_chunk_length N]
-      [--batch_size 8 --seq_len 64 --rounds 5 --steps 3]
+      [--batch_size 8 --seq_len 64 --rounds 5 --steps 3] [--attention auto,tokamax]
+      [--torch eager,compile|none]
 
 Models, the same on both sides: t5-small (60M parameters: d_model 512, 6 + 6 layers, 8 heads,
 FFN 2048) and t5-base (223M: d_model 768, 12 + 12 layers, 12 heads, FFN 3072), T5 v1.0 (relu,
@@ -33,6 +34,9 @@ Ours is trained by train.py's compiled step on JAX's default backend (config.mod
 many positions at a time). --attention_dropout R replaces gpt2-0.5b's attn_pdrop (0.1) on
 both sides: above 0, ours runs the reference attention (the dropout needs the weights); at 0,
 'auto' (cuDNN flash attention on a GPU). PyTorch's SDPA fuses the dropout either way.
+--attention IMPL[,IMPL...] sets ours' config.model.attention_implementation (default 'auto'; a
+kernel of transformer_jax/kernels.py), one JAX side per name; --torch picks PyTorch's sides
+(default eager, and compile with --compile; 'none': ours alone).
 --profile_dir DIR runs ours alone, in this process: --rounds x --steps timed steps after the
 warm-up, then a jax.profiler trace of 3 more in DIR (benchmarks/trace_summary.py sums it).
 
@@ -109,6 +113,7 @@ def jax_runner(args):
     batch = {"targets": rng.integers(3, hf["vocab_size"], shape, dtype=np.int32),
              "weights": np.ones(shape, np.float32)}
   config.model.dtype = args.dtype  # parameters stay float32
+  config.model.attention_implementation = args.attention
   config.logits_chunk_length = args.logits_chunk_length
   run = benchmark.train_step_runner(config, families.get(config), args.batch_size, seq_len,
                                     batch=batch)
@@ -155,6 +160,8 @@ def serve(args) -> None:
   """Child process: builds its side, warms up, then answers 'go' with the seconds per step."""
   run, info = (jax_runner(args) if args.side == "jax" else
                torch_runner(args, args.side == "torch_compile"))
+  if args.side == "jax":
+    info = f"{info}:{args.attention}"
   for _ in range(2):
     run()
   print("ready", info, flush=True)
@@ -196,6 +203,10 @@ def main():
   parser.add_argument("--attention_dropout", type=float,
                       help="gpt2-0.5b's attn_pdrop on both sides (default: its 0.1)")
   parser.add_argument("--profile_dir", help="ours alone, then a trace of 3 steps here")
+  parser.add_argument("--attention", default="auto",
+                      help="ours' attention implementation(s), comma-separated")
+  parser.add_argument("--torch", help="PyTorch sides: eager,compile or none "
+                      "(default: eager, and compile with --compile)")
   parser.add_argument("--side", help=argparse.SUPPRESS)
   args = parser.parse_args()
   hf_fields(args)  # a wrong --attention_dropout stops here, before any child starts
@@ -205,19 +216,24 @@ def main():
   if args.profile_dir:
     profile(args)
     return
-  sides = ["jax", "torch_eager"] + (["torch_compile"] if args.compile else [])
+  torch_sides = (args.torch or ("eager,compile" if args.compile else "eager")).split(",")
+  jax_sides = [f"jax:{name}" for name in args.attention.split(",")]
+  sides = jax_sides + [f"torch_{name}" for name in torch_sides if name != "none"]
   # The sides share one GPU at once, and JAX would preallocate 75% of its memory.
-  jax_env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.45") if args.device == "cuda" \
-      else None
+  fraction = f"{0.9 / (len(jax_sides) + 1):.2f}"
+  jax_env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=fraction) \
+      if args.device == "cuda" else None
   # The sides build and compile at the same time (the untimed part), then take turns.
   children = {side: subprocess.Popen(
-      [sys.executable, __file__, "--side", side, "--model", args.model, "--dtype", args.dtype,
+      [sys.executable, __file__, "--side", side.partition(":")[0], "--model", args.model,
+       "--dtype", args.dtype, "--attention", side.partition(":")[2] or "auto",
        "--device", args.device, "--batch_size", str(args.batch_size),
        "--seq_len", str(args.seq_len), "--logits_chunk_length", str(args.logits_chunk_length)]
       + ([] if args.attention_dropout is None else
          ["--attention_dropout", str(args.attention_dropout)]),
       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-      text=True, cwd=ROOT, env=jax_env if side == "jax" else None) for side in sides}
+      text=True, cwd=ROOT, env=jax_env if side.startswith("jax") else None)
+      for side in sides}
   versions = {}
   for side, child in children.items():
     ready, _, versions[side] = child.stdout.readline().strip().partition(" ")
@@ -233,12 +249,13 @@ def main():
     child.wait()
   medians = {side: statistics.median(t) for side, t in times.items()}
   result = dict(model=args.model, dtype=args.dtype, device=args.device,
-                jax_backend=versions["jax"], torch=versions["torch_eager"],
+                jax_backend=versions[jax_sides[0]], torch=versions.get(sides[-1]),
                 logits_chunk_length=args.logits_chunk_length,
                 attention_dropout=hf_fields(args).get("attn_pdrop"),
                 batch_size=args.batch_size, seq_len=args.seq_len, step_s=medians)
-  for side in sides[1:]:
-    result[f"speedup_vs_{side}"] = round(medians[side] / medians["jax"], 2)
+  for jax_side in jax_sides:
+    for side in sides[len(jax_sides):]:
+      result[f"speedup_{jax_side}_vs_{side}"] = round(medians[side] / medians[jax_side], 2)
   print(json.dumps(result))
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from transformer_jax import attention
+from transformer_jax import kernels
 from transformer_jax import metrics
 from transformer_jax import models
 
@@ -77,11 +78,13 @@ def test_a_packed_segment_without_source_is_a_fully_masked_row():
     (jnp.bfloat16, 8, 264, "reference")])
 def test_auto_takes_cudnn_only_where_its_kernels_apply(monkeypatch, dtype, length, head_dim,
                                                         chosen):
-  """Where 'auto' means cuDNN (a GPU), inputs cuDNN cannot take fall back to the reference."""
-  monkeypatch.setitem(attention.AUTO_IMPLEMENTATION, jax.default_backend(), "cudnn")
+  """Where 'auto' means cuDNN (a GPU: the platform forced), inputs cuDNN cannot take fall
+  back to the reference."""
+  del monkeypatch
   query = jnp.zeros((2, length, 4, head_dim), dtype)
-  assert attention.resolve_implementation("auto", query) == chosen
-  assert attention.resolve_implementation("xla", query) == "xla"
+  on_gpu = kernels.Call.of(query, query, platform="gpu")
+  assert kernels.choose("auto", on_gpu) == chosen
+  assert kernels.choose("xla", on_gpu) == "xla"
 
 
 def test_auto_is_the_default_and_the_reference_off_a_gpu():
@@ -104,7 +107,7 @@ def test_auto_on_a_gpu_decodes_like_the_full_forward(monkeypatch):
     calls.append(implementation)
     return original(query, key, value, *args, implementation="xla", **kwargs)
 
-  def resolve(implementation, query=None):  # float32 here: the dtype check left out
+  def resolve(implementation, query=None, key=None, mask=None, **unused):  # float32 here
     if implementation != "auto":
       return implementation
     return "cudnn" if query is not None and query.shape[1] > 1 else "reference"
@@ -129,7 +132,7 @@ def test_cudnn_is_never_given_an_empty_row(monkeypatch, kind):
   monkeypatch.setattr(jax.nn, "dot_product_attention", kernel)
   q, k, v = jax.random.normal(jax.random.PRNGKey(0), (3, 3, 8, 2, 16))
   mask = _masks()[kind]
-  out = attention.fused_attention(q, k, v, mask, "cudnn")
+  out = kernels.run("cudnn", q, k, v, mask)
   assert seen["implementation"] == "cudnn" and seen["mask"].shape == (3, 1, 8, 8)
   assert np.asarray(seen["mask"]).any(axis=-1).all()
   # Fully masked rows included: the reference's uniform weights.

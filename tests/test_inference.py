@@ -160,14 +160,15 @@ def test_bad_config_is_refused_before_any_work(tmp_path, data_cache, key, value,
 
 def test_cudnn_attention_in_float32_is_refused(tiny_config):
   tiny_config.model.attention_implementation = "cudnn"
-  with pytest.raises(config_validation.ConfigError, match="needs config.model.dtype"):
+  with pytest.raises(config_validation.ConfigError, match="needs bfloat16 or float16 inputs"):
     config_validation.validate(tiny_config)
 
 
 def test_cudnn_attention_with_an_unsupported_head_dim_is_refused(tiny_config):
   tiny_config.model.update(attention_implementation="cudnn", dtype="bfloat16", qkv_dim=36,
                            num_heads=2)
-  with pytest.raises(config_validation.ConfigError, match="qkv_dim / num_heads = 18"):
+  with pytest.raises(config_validation.ConfigError,
+                     match="needs a head dimension that is a multiple of 8 up to 256, not 18"):
     config_validation.validate(tiny_config)
   tiny_config.model.qkv_dim = 32
   config_validation.validate(tiny_config)

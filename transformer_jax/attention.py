@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from transformer_jax import kernels
 from transformer_jax import layers
 from transformer_jax import lora as lora_lib
 from transformer_jax.model_schema import LoraSpec
@@ -312,66 +313,32 @@ def reorder_beams(cache: Any, rows: Array) -> Any:
   return jax.tree_util.tree_map_with_path(reorder, cache)
 
 
-# What 'auto' runs per backend (jax.default_backend()) where the inputs allow it (see
-# `resolve_implementation`); elsewhere the reference einsums. On an H100, cuDNN through
-# `fused_attention` matched the float32 reference on padded and packed bfloat16 batches and
-# made the Transformer-base step 21% faster than 'xla' (benchmarks/RESULTS.md, GPU section).
-# CPU and TPU keep the reference path: the CPU's decoding speed and every exactness test were
-# measured on it, and on a TPU jax.nn's 'xla' is the same einsums.
-AUTO_IMPLEMENTATION = {"gpu": "cudnn"}
+def resolve_implementation(implementation: str, query: Array | None = None, key: Array | None = None,
+                           mask=None, *, bias: Array | None = None, softcap: float = 0.0) -> str:
+  """The kernel (a `kernels.KERNELS` name) that runs `implementation` ('auto' or a kernel)
+  on the default backend for this call (`kernels.choose`); without a `query`, 'auto''s first
+  choice for the backend."""
+  if query is None:
+    return kernels.AUTO_ORDER.get(jax.default_backend(), ("reference",))[0] \
+        if implementation == "auto" else implementation
+  key = query if key is None else key
+  return kernels.choose(implementation, kernels.Call.of(query, key, mask, bias=bias,
+                                                        softcap=softcap))
 
 
-def resolve_implementation(implementation: str, query: Array | None = None) -> str:
-  """What `implementation` ('reference', 'xla', 'cudnn' or 'auto') runs on the default
-  backend for `query` [b, q, h, d]: 'reference' (this file's einsums) or a
-  `jax.nn.dot_product_attention` implementation. 'auto' takes cuDNN only where its flash
-  kernels apply and pay: 16-bit inputs, a head dimension that is a multiple of 8 up to 256,
-  and more than one query per row (a decoding step's single query runs on the reference)."""
-  if implementation != "auto":
-    return implementation
-  chosen = AUTO_IMPLEMENTATION.get(jax.default_backend(), "reference")
-  if chosen == "cudnn" and query is not None and not (
-      query.dtype in (jnp.bfloat16, jnp.float16) and query.shape[-1] % 8 == 0
-      and query.shape[-1] <= 256 and query.shape[1] > 1):
-    return "reference"
-  return chosen
-
-
-def fused_attention(query: Array, key: Array, value: Array, mask: Array | None,
-                    implementation: str, bias: Array | None = None,
-                    scale: float | None = None) -> Array:
-  """Dot-product attention through `jax.nn.dot_product_attention`: [b, q, h, d] like
-  `dot_product_attention`, without weights or dropout. Key/value [b, k, n, d] with fewer
-  heads than the query are grouped by jax.nn itself (n must divide h). 'auto' where it means
-  the reference runs `dot_product_attention`."""
-  implementation = resolve_implementation(implementation, query)
-  if implementation == "reference":
-    return dot_product_attention(query, key, value, mask, bias=bias, scale=scale)
-  extra = {}  # only what is set: the call is the plain one otherwise
-  if bias is not None:
-    extra["bias"] = bias.astype(query.dtype)
-  if scale is not None:
-    extra["scale"] = scale
-  if mask is None:
-    return jax.nn.dot_product_attention(query, key, value, implementation=implementation,
-                                        **extra)
-  mask = jnp.broadcast_to(mask, (query.shape[0], 1, query.shape[1], key.shape[1]))
-  if implementation != "cudnn":
-    return jax.nn.dot_product_attention(query, key, value, mask=mask,
-                                        implementation=implementation, **extra)
-  # cuDNN must not see a query row that may attend to no key (a padding query; a packed
-  # target segment without source): such a row's log-sum-exp is hugely negative, and with an
-  # explicit mask and a length of 64 mod 128 (Multi30k's 64-token rows) the Hopper backward
-  # kernel then returns NaN in dQ (pytorch/pytorch#196678), the likely cause of issue #18's
-  # NaN loss. Those rows attend to every key, then get the reference path's result instead:
-  # uniform weights, the mean of the values.
-  empty = ~jnp.any(mask, axis=-1)  # [b, 1, q]
-  out = jax.nn.dot_product_attention(query, key, value, mask=mask | empty[..., None],
-                                     implementation="cudnn", **extra)
-  mean = jnp.mean(value, axis=1, keepdims=True, dtype=jnp.float32).astype(out.dtype)
-  # Per query head (a grouped key/value head's mean serves its g query heads): [b, 1, h, d].
-  mean = jnp.repeat(mean, query.shape[2] // value.shape[2], axis=2)
-  return jnp.where(empty[:, 0, :, None, None], mean, out)  # [b, q, h, d]
+def fused_attention(query: Array, key: Array, value: Array, mask, implementation: str,
+                    bias: Array | None = None, scale: float | None = None,
+                    softcap: float = 0.0) -> Array:
+  """Dot-product attention through the kernel table: [b, q, h, d] like
+  `dot_product_attention`, without weights or dropout. Key/value [b, k, n, d] may have fewer
+  heads than the query (n must divide h). `mask` is a boolean array or a
+  `kernels.StructuredMask`; where `implementation` resolves to the reference (or falls back
+  to it), `dot_product_attention` runs."""
+  name = resolve_implementation(implementation, query, key, mask, bias=bias, softcap=softcap)
+  if name == "reference":
+    return dot_product_attention(query, key, value, kernels.split_mask(mask)[0], bias=bias,
+                                 scale=scale, softcap=softcap)
+  return kernels.run(name, query, key, value, mask, bias=bias, scale=scale, softcap=softcap)
 
 
 def _keys_last(x: Array) -> Array:
@@ -393,10 +360,11 @@ class MultiHeadAttention(nn.Module):
   `score` picks how a query s meets a key h, per head: 'dot_product' (s^T h / sqrt(d), the
   Transformer's), 'multiplicative' (s^T W h, Luong) or 'additive' (v^T tanh(W1 h + W2 s),
   Bahdanau). `implementation` 'reference' computes dot-product attention with einsums here;
-  'xla' and 'cudnn' call `jax.nn.dot_product_attention` (cuDNN: flash attention on a GPU),
-  and 'auto' (the default) cuDNN where its kernels apply, the reference elsewhere
-  (`resolve_implementation`). The weights force the reference: attention dropout in
-  training, or weights captured in the 'intermediates' collection (see
+  the other names are kernels of `kernels.KERNELS` (jax.nn's XLA and cuDNN paths, tokamax,
+  splash), and 'auto' (the default) the platform's fastest that takes the call
+  (`kernels.choose`). The mask may be a `kernels.StructuredMask` (a mask array with the
+  parts it was built from), which blockwise kernels need. The weights force the reference:
+  attention dropout in training, or weights captured in the 'intermediates' collection (see
   `models.attention_weights`).
 
   In decode mode self-attention keys and values are kept in a 'cache' collection of shape
@@ -433,7 +401,7 @@ class MultiHeadAttention(nn.Module):
   factor (T5, which folds it into its query weights); `scale`, where set, is the scores' factor
   instead (Gemma's query_pre_attn_scalar^-0.5). A `bias` [b|1, h, q, k] passed to the call is
   added to the scores (T5's relative position bias). `softcap` > 0 soft-caps the scores
-  (`dot_product_attention`), on the reference path: jax.nn's kernels have no soft cap.
+  (`dot_product_attention`); kernels without a soft cap leave such calls to the reference.
 
   `qk_norm` RMS-normalises queries and keys per head over the head dimension ('query_norm',
   'key_norm'; epsilon `norm_epsilon`, (1 + scale) with `norm_plus_one`) before rotating them,
@@ -514,8 +482,10 @@ class MultiHeadAttention(nn.Module):
     query = nn.with_logical_constraint(query, ("batch", "length", "heads", "kv"))
     key, value = (nn.with_logical_constraint(x, ("batch", "length", kv_axis, "kv"))
                   for x in (key, value))
+    mask, parts = kernels.split_mask(mask)  # parts: for kernels that build masks blockwise
     slot_rows = decoded = None
     if decode and self_attention:
+      parts = None  # the cache's slots have no parts
       key, value, mask, slot_rows, decoded = self._update_cache(key, value, mask, prefix_fill,
                                                                 beams)
     # Decoding several copies (beams, samples) of each source: their queries meet the one
@@ -535,10 +505,13 @@ class MultiHeadAttention(nn.Module):
                                            scale=scale, softcap=self.softcap, decoded=decoded),
                             inputs_q, out_bias, deterministic)
       key, value = beam_slots(key, slot_rows), beam_slots(value, slot_rows)
-    implementation = resolve_implementation(self.implementation, query)
-    if self.score == "dot_product" and implementation != "reference" and not (
-        capture or dropout_rng is not None or self.softcap):
-      out = fused_attention(query, key, value, mask, implementation, bias, scale)
+    implementation = "reference"
+    if self.score == "dot_product" and not (capture or dropout_rng is not None):
+      implementation = resolve_implementation(self.implementation, query, key, parts or mask,
+                                              bias=bias, softcap=self.softcap)
+    if implementation != "reference":
+      out = kernels.run(implementation, query, key, value, parts or mask, bias=bias,
+                        scale=scale, softcap=self.softcap)
     else:
       out, weights = self._reference(query, key, value, mask, bias, scale, dropout_rng)
       if capture:

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax import attention
+from transformer_jax import kernels
 from transformer_jax import layers
 from transformer_jax.model_schema import TransformerConfig
 
@@ -259,8 +260,11 @@ class DecoderStack(nn.Module):
     rotary_positions = query_positions if c.position_embedding == "rope" else None
     local_mask = None
     if any(local):
-      local_mask = attention.combine_masks(
-          self_mask, window_mask(query_positions, key_positions, c.sliding_window))
+      window = window_mask(query_positions, key_positions, c.sliding_window)
+      local_mask = (self_mask.replace(dense=attention.combine_masks(self_mask.dense, window),
+                                      window=c.sliding_window)
+                    if isinstance(self_mask, kernels.StructuredMask)
+                    else attention.combine_masks(self_mask, window))
     for i in range(num_layers):
       y = layer(c, local=local[i], name=f"layer_{i}")(
           residual_stream(y), encoded, local_mask if local[i] else self_mask, cross_mask,

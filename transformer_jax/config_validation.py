@@ -12,9 +12,11 @@ import importlib.util
 import re
 from typing import Any
 
+import jax
 import ml_collections
 
 from transformer_jax import families
+from transformer_jax import kernels
 from transformer_jax import layers
 from transformer_jax import lora as lora_lib
 from transformer_jax import parallel
@@ -38,7 +40,7 @@ CHOICES = {
     "model.norm": ("layernorm", "rmsnorm"),
     "model.rope_scaling": ("none", "linear", "llama3"),
     "model.ffn_activation": tuple(sorted(layers.ACTIVATIONS)),
-    "model.attention_implementation": ("reference", "xla", "cudnn", "auto"),
+    "model.attention_implementation": kernels.IMPLEMENTATIONS,
     "prng_impl": ("threefry2x32", "rbg", "unsafe_rbg"),
     "model.remat_policy": ("full", "dots", "dots_no_batch"),
     "model.pooling": ("mean", "first", "attention", "cls_pooler", "cls_head"),
@@ -169,7 +171,9 @@ def _cross_key_problems(config: ml_collections.ConfigDict,
   return (_model_problems(config) + _lora_problems(config) + _data_problems(config)
           + _decoding_problems(config)
           + _run_record_problems(config) + _rule_problems(config.parallel.logical_axis_rules)
-          + _device_problems(config, device_count))
+          + _device_problems(config, device_count)
+          # The platform once the devices are up (train.py); else what any platform refuses.
+          + _kernel_problems(config, jax.default_backend() if device_count else None))
 
 
 def _model_problems(config: ml_collections.ConfigDict) -> list[str]:
@@ -179,9 +183,6 @@ def _model_problems(config: ml_collections.ConfigDict) -> list[str]:
   if m.qkv_dim % m.num_heads:
     found.append(f"config.model.qkv_dim={m.qkv_dim} must be divisible by "
                  f"config.model.num_heads={m.num_heads}")
-  if m.attention_implementation == "cudnn" and m.dtype == "float32":
-    found.append("config.model.attention_implementation='cudnn' needs config.model.dtype "
-                 "'bfloat16' or 'float16' (cuDNN attention has no float32 kernel)")
   if m.num_kv_heads and (m.num_kv_heads < 1 or m.num_heads % m.num_kv_heads):
     found.append(f"config.model.num_kv_heads={m.num_kv_heads} must divide "
                  f"config.model.num_heads={m.num_heads} (each key/value head serves an equal "
@@ -191,10 +192,6 @@ def _model_problems(config: ml_collections.ConfigDict) -> list[str]:
     found.append(f"config.model.position_embedding='rope' needs an even head dimension "
                  f"(qkv_dim / num_heads = {head_dim}): rotary embeddings turn pairs of "
                  "dimensions")
-  if m.attention_implementation == "cudnn" and (head_dim % 8 or head_dim > 256):
-    found.append(f"config.model.attention_implementation='cudnn' needs a head dimension "
-                 f"(qkv_dim / num_heads = {head_dim}) that is a multiple of 8 and at most 256 "
-                 "(cuDNN's flash attention kernels); use 'xla'")
   if (m.position_embedding == "relative"
       and m.relative_attention_max_distance <= m.relative_attention_num_buckets // 2):
     found.append(f"config.model.relative_attention_max_distance="
@@ -343,6 +340,17 @@ def _decoding_problems(config: ml_collections.ConfigDict) -> list[str]:
     found.append(f"config.decoding.forced_bos_id={d.forced_bos_id} is not below "
                  f"config.model.vocab_size={m.vocab_size}")
   return found
+
+
+def _kernel_problems(config: ml_collections.ConfigDict, platform: str | None) -> list[str]:
+  """The attention kernel asked for, where it cannot run this model at all (kernels.py)."""
+  m = config.model
+  why = kernels.config_refusal(
+      m.attention_implementation, platform, dtype=m.dtype, head_dim=m.qkv_dim // m.num_heads,
+      prefix_lm=bool(m.get("prefix_lm")),
+      relative_bias=m.position_embedding == "relative", softcap=bool(m.get("attention_softcap")))
+  return [f"{why} (kernels.py lists what each kernel takes; 'auto' picks one that does)"] \
+      if why else []
 
 
 def _device_problems(config: ml_collections.ConfigDict, device_count: int | None) -> list[str]:

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax import attention
+from transformer_jax import kernels
 from transformer_jax import blocks
 from transformer_jax import layers
 # The schema lives in model_schema.py and the layers in blocks.py; these names stay
@@ -68,6 +69,25 @@ def self_attention_mask(tokens: Array, segmentation: Array | None, causal: bool,
       attention.padding_mask(tokens, tokens),
       None if segmentation is None else attention.segment_mask(segmentation, segmentation),
       visible)
+
+
+def structured_self_mask(tokens: Array, segmentation: Array | None, causal: bool,
+                         prefix: Array | None = None):
+  """`self_attention_mask` with the parts it is built from (`kernels.StructuredMask`), which
+  blockwise attention kernels read instead of the array; a prefix LM's (per-row prefixes)
+  has no such parts: the array alone."""
+  dense = self_attention_mask(tokens, segmentation, causal, prefix)
+  if prefix is not None:
+    return dense
+  segments = segment_ids(tokens, segmentation)
+  return kernels.StructuredMask(dense, segments, segments, causal=causal)
+
+
+def segment_ids(tokens: Array, segmentation: Array | None) -> Array:
+  """[b, len] segment ids with 0 at padding (1 everywhere else in an unpacked batch)."""
+  if segmentation is None:
+    return (tokens != 0).astype(jnp.int32)
+  return jnp.where(tokens != 0, segmentation, 0).astype(jnp.int32)
 
 
 class TokenEmbedding(nn.Module):
@@ -185,7 +205,7 @@ class EncoderDecoder(nn.Module):
   def encode(self, inputs: Array, inputs_position: Array | None = None,
              inputs_segmentation: Array | None = None, *, deterministic: bool = False) -> Array:
     """[b, src_len] tokens -> [b, src_len, emb] encoder outputs."""
-    mask = self_attention_mask(inputs, inputs_segmentation, causal=False)
+    mask = structured_self_mask(inputs, inputs_segmentation, causal=False)
     if inputs_position is None and counts_non_pad(self.config):
       inputs_position = layers.non_pad_positions(inputs)
     x = self.encoder_positions(self.source_embedding(inputs), inputs_position)
@@ -216,11 +236,13 @@ class EncoderDecoder(nn.Module):
                                    start_from_last=c.start_from_last_target)
       if targets_position is None and counts_non_pad(c):
         targets_position = layers.non_pad_positions(decoder_inputs)
-      self_mask = self_attention_mask(targets, targets_segmentation, causal=True)
-      cross_mask = attention.combine_masks(
-          attention.padding_mask(targets, inputs),
-          None if targets_segmentation is None else
-          attention.segment_mask(targets_segmentation, inputs_segmentation))
+      self_mask = structured_self_mask(targets, targets_segmentation, causal=True)
+      cross_mask = kernels.StructuredMask(
+          attention.combine_masks(
+              attention.padding_mask(targets, inputs),
+              None if targets_segmentation is None else
+              attention.segment_mask(targets_segmentation, inputs_segmentation)),
+          segment_ids(targets, targets_segmentation), segment_ids(inputs, inputs_segmentation))
     y = self.decoder_positions(self.target_embedding(decoder_inputs), targets_position,
                                decode=decode)
     y = self.dropout(self.decoder_embedding_norm(y), deterministic=deterministic)
@@ -298,8 +320,8 @@ class DecoderOnly(nn.Module):
       inputs, mask = tokens, cache_mask
     else:
       inputs = shift_right(tokens, c.bos_id, segmentation) if shift else tokens
-      mask = self_attention_mask(tokens, segmentation, causal=True,
-                                 prefix=prefix if c.prefix_lm else None)
+      mask = structured_self_mask(tokens, segmentation, causal=True,
+                                  prefix=prefix if c.prefix_lm else None)
     y = self.positions(self.embedding(inputs), positions, decode=decode,
                        decode_offset=decode_offset)
     y = self.dropout(self.embedding_norm(y), deterministic=deterministic)
@@ -321,7 +343,7 @@ class EncoderClassifier(nn.Module):
                inputs_segmentation: Array | None = None, *,
                deterministic: bool = False) -> Array:
     c = self.config
-    mask = self_attention_mask(inputs, inputs_segmentation, causal=False)
+    mask = structured_self_mask(inputs, inputs_segmentation, causal=False)
     x = TokenEmbedding(c, name="embedding")(inputs)
     if c.num_token_types:
       # Every input is one segment, type 0; the other rows are kept for export.
