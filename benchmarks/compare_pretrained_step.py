@@ -35,7 +35,9 @@ many positions at a time). --attention_dropout R replaces gpt2-0.5b's attn_pdrop
 both sides: above 0, ours runs the reference attention (the dropout needs the weights); at 0,
 'auto' (cuDNN flash attention on a GPU). PyTorch's SDPA fuses the dropout either way.
 --attention IMPL[,IMPL...] sets ours' config.model.attention_implementation (default 'auto'; a
-kernel of transformer_jax/kernels.py), one JAX side per name; --torch picks PyTorch's sides
+kernel of transformer_jax/kernels.py; IMPL:chunkedN and IMPL:fusedN set that side's
+config.logits_chunk_length to N, the latter with config.fused_loss), one JAX side per name;
+--torch picks PyTorch's sides
 (default eager, and compile with --compile; 'none': ours alone).
 --profile_dir DIR runs ours alone, in this process: --rounds x --steps timed steps after the
 warm-up, then a jax.profiler trace of 3 more in DIR (benchmarks/trace_summary.py sums it).
@@ -113,8 +115,13 @@ def jax_runner(args):
     batch = {"targets": rng.integers(3, hf["vocab_size"], shape, dtype=np.int32),
              "weights": np.ones(shape, np.float32)}
   config.model.dtype = args.dtype  # parameters stay float32
-  config.model.attention_implementation = args.attention
   config.logits_chunk_length = args.logits_chunk_length
+  # --attention's 'IMPL:chunkedN' / 'IMPL:fusedN' sides: the output layer and loss over N
+  # positions at a time, recomputed or fused with their gradients (output_loss.py).
+  config.model.attention_implementation, _, variant = args.attention.partition(":")
+  if variant:
+    config.fused_loss = variant.startswith("fused")
+    config.logits_chunk_length = int(variant.removeprefix("fused").removeprefix("chunked"))
   run = benchmark.train_step_runner(config, families.get(config), args.batch_size, seq_len,
                                     batch=batch)
   return run, jax.default_backend()
@@ -226,7 +233,7 @@ def main():
   # The sides build and compile at the same time (the untimed part), then take turns.
   children = {side: subprocess.Popen(
       [sys.executable, __file__, "--side", side.partition(":")[0], "--model", args.model,
-       "--dtype", args.dtype, "--attention", side.partition(":")[2] or "auto",
+       "--dtype", args.dtype, "--attention", side.partition(":")[2],
        "--device", args.device, "--batch_size", str(args.batch_size),
        "--seq_len", str(args.seq_len), "--logits_chunk_length", str(args.logits_chunk_length)]
       + ([] if args.attention_dropout is None else
@@ -249,7 +256,8 @@ def main():
     child.wait()
   medians = {side: statistics.median(t) for side, t in times.items()}
   result = dict(model=args.model, dtype=args.dtype, device=args.device,
-                jax_backend=versions[jax_sides[0]], torch=versions.get(sides[-1]),
+                jax_backend=versions[jax_sides[0]],
+                torch=versions[sides[-1]] if len(sides) > len(jax_sides) else None,
                 logits_chunk_length=args.logits_chunk_length,
                 attention_dropout=hf_fields(args).get("attn_pdrop"),
                 batch_size=args.batch_size, seq_len=args.seq_len, step_s=medians)

@@ -1,5 +1,6 @@
 """config.logits_chunk_length: the output layer and loss over a few positions at a time give
-the loss, metrics and gradients of the whole batch at once, in less memory."""
+the loss, metrics and gradients of the whole batch at once, in less memory; with
+config.fused_loss each chunk's gradients are taken in the forward pass, the same again."""
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +13,10 @@ from transformer_jax import families
 from transformer_jax import metrics
 
 
-def _family(family_name: str, chunk_length: int, vocab_size: int = 256, **model_fields):
+def _family(family_name: str, chunk_length: int, vocab_size: int = 256, fused: bool = False,
+            **model_fields):
   config = make_tiny_config("unused")  # no data is read
+  config.fused_loss = fused
   if family_name == "decoder_only":
     families.set_family(config, "decoder_only")
     config.model.max_len = 64  # source and target in one sequence
@@ -46,29 +49,35 @@ def _loss_and_grads(family, params, batch):
 
 
 def _traced_loss_and_grads(family, params, batch):
+  # As train.train_step's: the loss divided by the batch's token count, a traced value.
+  denominator = jnp.sum(family.labels_and_weights(batch)[1])
+
   def loss(params):
     def score(logits, labels, weights):
       smoothed, unsmoothed = metrics.smoothed_cross_entropy(
           logits, labels, 0.1, also_unsmoothed=True,
           padding_masked=family.model_config.mask_padding_logit)
-      return (jnp.sum(smoothed * weights),
+      return (jnp.sum(smoothed * weights) / denominator,
               metrics.token_metrics(logits, labels, weights, unsmoothed))
     return family.score_outputs(params, batch, score, deterministic=True)
   return jax.value_and_grad(loss, has_aux=True)(params)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["chunked", "fused"])
 @pytest.mark.parametrize("family_name,weighted_part,model_fields", [
     ("encoder_decoder", False, dict(tie_output=False, mask_padding_logit=True)),
     ("decoder_only", False, {}), ("decoder_only", True, {})])
 def test_chunks_give_the_whole_batch_loss_metrics_and_gradients(family_name, weighted_part,
-                                                                model_fields):
+                                                                model_fields, fused):
+  """Tied (the decoder-only family's default) and untied output layers, label smoothing 0.1,
+  padding weighing 0."""
   whole = _family(family_name, 0, **model_fields)
   params = whole.init_params(jax.random.PRNGKey(0))
   batch = _batch(whole, rows=4, weighted_part=weighted_part)
   (loss, sums), grads = _loss_and_grads(whole, params, batch)
   # Chunks of 5 positions: the lengths (28 targets, 52 decoder-only) end in a padded one.
   (chunked_loss, chunked_sums), chunked_grads = _loss_and_grads(
-      _family(family_name, 5, **model_fields), params, batch)
+      _family(family_name, 5, fused=fused, **model_fields), params, batch)
   np.testing.assert_allclose(chunked_loss, loss, rtol=1e-5)
   assert chunked_sums["denominator"] == sums["denominator"]
   assert abs(chunked_sums["accuracy"] - sums["accuracy"]) <= 1  # an argmax tie may flip
@@ -80,14 +89,15 @@ def test_chunks_give_the_whole_batch_loss_metrics_and_gradients(family_name, wei
 def test_chunks_hold_a_fraction_of_the_logits_memory():
   # 8 rows x 28 target positions x 8,192 float32 logits: 7.3 MB at once, 1 MB in chunks of 4.
   temp_bytes = {}
-  for chunk_length in (0, 4):
-    family = _family("encoder_decoder", chunk_length, vocab_size=8192)
+  for chunk_length, fused in ((0, False), (4, False), (4, True)):
+    family = _family("encoder_decoder", chunk_length, vocab_size=8192, fused=fused)
     params = family.init_params(jax.random.PRNGKey(0))
     batch = _batch(family, rows=8)
     compiled = jax.jit(lambda p, b, family=family: _traced_loss_and_grads(family, p, b)).lower(
         params, batch).compile()
-    temp_bytes[chunk_length] = compiled.memory_analysis().temp_size_in_bytes
-  assert temp_bytes[4] < temp_bytes[0] / 3, temp_bytes
+    temp_bytes[chunk_length, fused] = compiled.memory_analysis().temp_size_in_bytes
+  assert temp_bytes[4, False] < temp_bytes[0, False] / 3, temp_bytes
+  assert temp_bytes[4, True] < temp_bytes[0, False] / 3, temp_bytes
 
 
 def test_a_classifier_is_told_to_leave_the_chunks_off():
@@ -97,3 +107,12 @@ def test_a_classifier_is_told_to_leave_the_chunks_off():
   config.task = "classification"
   assert any("a classifier has one output per row" in p
              for p in config_validation.problems(config))
+
+
+def test_the_fused_loss_needs_chunks():
+  config = make_tiny_config("unused")
+  config.fused_loss = True
+  assert any("config.fused_loss needs config.logits_chunk_length" in p
+             for p in config_validation.problems(config))
+  config.logits_chunk_length = 16
+  assert config_validation.problems(config) == []

@@ -104,10 +104,11 @@ case $stage in
     # Issue #59's table in one device call (about 9 minutes; the device tool brings back at
     # most 8 files, so everything goes to kernels.log): the kernel tests on the GPU; the
     # kernels side by side; SmolLM2-135M's fine-tuning step, ours on 'auto' (cuDNN) and
-    # 'tokamax', against torch.compile; greedy decoding at batch 1 and 32 (SmolLM2-135M
-    # against generate, then Qwen2.5-0.5B's sizes), with XLA's default command buffers and
-    # with the decode loop's while/conditional in them; the Transformer-base step on both
-    # kernels; GPT-2 0.5B's step last (cut first when the call's time runs out).
+    # 'tokamax', and with the output layer + loss over 256 positions at a time (recomputed,
+    # fused), against torch.compile; the Transformer-base step on both kernels; greedy
+    # decoding at batch 1 and 32 (SmolLM2-135M against generate, then Qwen2.5-0.5B's sizes),
+    # with XLA's default command buffers and with the decode loop's while/conditional in
+    # them; GPT-2 0.5B's step last (cut first when the call's time runs out).
     log=$out/kernels.log
     step() { echo "== $*" >> "$log"; }
     python3 -c "import tokamax; print('tokamax', tokamax.__version__)" 2>&1 | tee -a "$out/gpu.txt"
@@ -117,37 +118,39 @@ case $stage in
 import compare_generate as g; g.make_folder('$size', '/tmp/$size')"
      done > "$out/make.log" 2>&1) &
     timeout -s INT 120 bash tools/test_gpu.sh -rfE --tb=line tests/test_kernels.py \
-        tests/test_attention_implementations.py 2>&1 | tee "$out/kernel_tests.log" | tail -3
+        tests/test_attention_implementations.py tests/test_chunked_loss.py 2>&1 \
+        | tee "$out/kernel_tests.log" | tail -3
     step attention kernels
     timeout 90 python3 benchmarks/attention_kernels.py --rounds 10 2>&1 | grep "^{" \
         | tee -a "$log"
     step smollm2-135m step
     timeout 160 python3 benchmarks/compare_pretrained_step.py --model smollm2-135m \
         --dtype bfloat16 --device cuda --batch_size 8 --seq_len 1024 --rounds 3 \
-        --attention auto,tokamax --torch compile 2>&1 | tail -1 | tee -a "$log"
+        --attention auto,tokamax,auto:chunked256,auto:fused256 --torch compile 2>&1 \
+        | tail -1 | tee -a "$log"
     pkill -f compare_pretrained_step.py; sleep 1
-    wait  # the folders
-    commands="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
-    for size in smollm2-135m llama-0.5b; do
-      sides=ours,torch; [[ $size == llama-0.5b ]] && sides=ours
-      for flags in "" "$commands --xla_gpu_graph_min_graph_size=1"; do
-        step "decode $size XLA_FLAGS=$flags"
-        XLA_FLAGS=$flags timeout 90 python3 benchmarks/compare_generate.py --device cuda \
-            --pretrained "/tmp/$size" --methods greedy --batch_sizes 1,32 --new_tokens 64 \
-            --sides "$sides" 2>&1 | grep -E "^\{|bound|failed|Error" | tee -a "$log"
-        sides=ours
-      done
-    done
     for impl in auto tokamax; do
       step "transformer-base step $impl"
       timeout 80 python3 -m transformer_jax.benchmark --config configs/wmt14_en_de.py \
           --batch_size 128 --seq_len 256 --steps 10 --nodecode \
           --config.model.attention_implementation=$impl 2>&1 | tail -3 | tee -a "$log"
     done
+    wait  # the folders
+    commands="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+    for size in smollm2-135m llama-0.5b; do
+      sides=ours,torch; [[ $size == llama-0.5b ]] && sides=ours
+      for flags in "" "$commands --xla_gpu_graph_min_graph_size=1"; do
+        step "decode $size XLA_FLAGS=$flags"
+        XLA_FLAGS=$flags timeout 70 python3 benchmarks/compare_generate.py --device cuda \
+            --pretrained "/tmp/$size" --methods greedy --batch_sizes 1,32 --new_tokens 64 \
+            --sides "$sides" 2>&1 | grep -E "^\{|bound|failed|Error" | tee -a "$log"
+        sides=ours
+      done
+    done
     step gpt2-0.5b step
     timeout 170 python3 benchmarks/compare_pretrained_step.py --model gpt2-0.5b \
         --dtype bfloat16 --device cuda --batch_size 8 --seq_len 1024 --rounds 3 \
-        --attention_dropout 0 --attention auto,tokamax --torch compile 2>&1 | tail -1 \
-        | tee -a "$log"
+        --attention_dropout 0 --attention auto,tokamax,auto:fused256 --torch compile 2>&1 \
+        | tail -1 | tee -a "$log"
     ;;
 esac

@@ -208,6 +208,9 @@ def _model_problems(config: ml_collections.ConfigDict) -> list[str]:
   if m.get("prefix_lm") and families.name(config) != "decoder_only":
     found.append("config.model.prefix_lm=True is for config.architecture='decoder_only' (an "
                  "encoder already reads the source both ways)")
+  if config.get("fused_loss") and not config.get("logits_chunk_length"):
+    found.append("config.fused_loss needs config.logits_chunk_length > 0: the positions of "
+                 "every row per chunk (e.g. 256)")
   if config.get("logits_chunk_length") and not families.generates_text(config):
     found.append("config.logits_chunk_length chunks a sequence model's output over its "
                  "positions; a classifier has one output per row: leave it 0")

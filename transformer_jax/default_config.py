@@ -212,6 +212,9 @@ def get_config() -> ml_collections.ConfigDict:
   # chunk's logits recomputed in the backward pass: the float32 [rows, length, vocab] logits
   # (1.6 GB for 8 x 1024 tokens of a 50k vocabulary) never exist at once. 0 = all at once.
   config.logits_chunk_length = 0
+  # With logits_chunk_length: each chunk's gradients taken in the forward pass (the output
+  # layer fused with the loss, output_loss.py), no logits recomputed in the backward pass.
+  config.fused_loss = False
   # AdamW weight decay; 0 = plain Adam as in the paper.
   config.weight_decay = 0.0
   # Clip gradients to this global norm; 0 = no clipping.

@@ -172,8 +172,7 @@ class EncoderDecoder(family_base.SequenceFamily):
     labels, weights = self.labels_and_weights(batch)
     states = self.forward(params, batch, deterministic=deterministic, rngs=rngs,
                           states_only=True)
-    return family_base.chunked_score(score, self.output_layer(params), states, labels, weights,
-                                     self.logits_chunk_length)
+    return self.score_states(params, score, states, labels, weights)
 
   def train_step_flops(self, batch_size: int) -> float:
     return flops.train_step_flops(self.model_config, batch_size, self.config.max_source_length,
@@ -326,14 +325,13 @@ class DecoderOnly(family_base.SequenceFamily):
     states = states.reshape(-1, states.shape[-1])  # [b * len, emb]
     rows = batch["targets"].shape[0]
     budget = rows * self.config.max_target_length
-    logits, chunk_length = self.output_layer(params), self.logits_chunk_length
 
     def scored(states, labels, weights):  # flat [n, ...]: `rows` rows of n / rows positions
-      if not chunk_length:
-        return score(logits(states), labels, weights)
+      if not self.logits_chunk_length:
+        return score(self.output_layer(params)(states), labels, weights)
       as_rows = lambda x: x.reshape((rows, -1) + x.shape[1:])
-      return family_base.chunked_score(score, logits, as_rows(states), as_rows(labels),
-                                       as_rows(weights), chunk_length)
+      return self.score_states(params, score, as_rows(states), as_rows(labels),
+                               as_rows(weights))
 
     everywhere = lambda: scored(states, labels, weights)
     if budget >= len(weights):

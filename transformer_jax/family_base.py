@@ -16,6 +16,7 @@ from transformer_jax import attention
 from transformer_jax import generate
 from transformer_jax import lora as lora_lib
 from transformer_jax import model_schema
+from transformer_jax import output_loss
 from transformer_jax import parallel
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax.data import pipeline
@@ -160,7 +161,20 @@ class SequenceFamily(Family):
 
   def output_layer(self, params):
     """The model's output layer (`model.logits`): states [..., emb] -> float32 logits."""
-    return lambda states: self.model.apply({"params": params}, states, method=self.model.logits)
+    return lambda states: self.output_logits(params, states)
+
+  def output_logits(self, params, states: Array) -> Array:
+    return self.model.apply({"params": params}, states, method=self.model.logits)
+
+  def score_states(self, params, score, states: Array, labels: Array, weights: Array):
+    """`score(logits of states [rows, len, emb], labels, weights)` over chunks of
+    config.logits_chunk_length positions (> 0), fused with its gradients under
+    config.fused_loss (output_loss.py)."""
+    if self.config.get("fused_loss"):
+      return output_loss.fused_score(score, self.output_logits, params, states, labels,
+                                     weights, self.logits_chunk_length)
+    return output_loss.chunked_score(score, self.output_layer(params), states, labels, weights,
+                                     self.logits_chunk_length)
 
   def decode(self, params, inputs, rng, *, decoding_config, nbest=1, packing=None):
     inputs, forced_first, row_starts = self.split_prompt(inputs)
@@ -214,30 +228,6 @@ class SequenceFamily(Family):
   def step_logits(self, params, context, beams: int = 1):
     """The decoding callback tokens_to_logits(ids [n, 1], cache) of a `prefill` context;
     `beams`: `start_decoding`'s."""
-
-
-def chunked_score(score, logits, states: Array, labels: Array, weights: Array,
-                  chunk_length: int):
-  """`score(logits(states), labels, weights)` for `states` [rows, len, emb], computed over
-  `chunk_length` positions of every row at a time and summed: every value `score` returns
-  must be a sum over positions (train.train_step's and evaluation's are). The float32 [rows, len, vocab] logits never exist
-  at once: the backward pass recomputes each chunk's (jax.checkpoint), so the output layer and
-  the loss take one chunk's memory, not the whole batch's. Rows stay on the chunks' second
-  axis: a batch sharded over devices stays where it is."""
-  length = states.shape[1]
-  if chunk_length >= length:
-    return score(logits(states), labels, weights)
-  pad = -length % chunk_length  # weight 0: adds nothing to any sum
-
-  def split(x):  # [rows, len, ...] -> [chunks, rows, chunk_length, ...]
-    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    return jnp.moveaxis(x.reshape((x.shape[0], -1, chunk_length) + x.shape[2:]), 1, 0)
-
-  chunks = tuple(split(x) for x in (states, labels, weights))
-  one_chunk = jax.checkpoint(lambda s, l, w: score(logits(s), l, w), prevent_cse=False)
-  add = lambda total, chunk: (jax.tree.map(jnp.add, total, one_chunk(*chunk)), None)
-  totals = zeros(jax.eval_shape(one_chunk, *(x[0] for x in chunks)))
-  return jax.lax.scan(add, totals, chunks)[0]
 
 
 def zeros(abstract_tree):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import logging
 import os
 from typing import Callable
@@ -102,9 +103,12 @@ class Kernel:
   min_queries: int = 1
   length_multiple: int = 1  # query and key lengths
   pallas: bool = False
+  module: str | None = None  # the package it needs, where that is not jax
 
   def refusal(self, call: Call) -> str | None:
     """Why this kernel cannot take `call`, None if it can."""
+    if self.module and importlib.util.find_spec(self.module) is None:
+      return f"needs the {self.module} package (pip install {self.module})"
     if call.platform not in self.platforms and not (self.pallas and interpreting()):
       return f"runs on {'/'.join(self.platforms)}, not {call.platform}"
     if self.half_precision_only and call.dtype not in (jnp.bfloat16, jnp.float16):
@@ -258,7 +262,7 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
            head_dims=_CUDNN_HEAD_DIMS, head_dims_text="that is a multiple of 8 up to 256",
            min_queries=2),
     Kernel("tokamax", "tokamax flash attention (Mosaic GPU / Triton, Mosaic TPU): mask "
-           "arrays, bias, soft-cap", ("gpu", "tpu"), _tokamax, min_queries=2),
+           "arrays, bias, soft-cap", ("gpu", "tpu"), _tokamax, min_queries=2, module="tokamax"),
     Kernel("splash", "JAX's splash attention (Pallas TPU): causal / full / sliding-window "
            "masks with segment ids (padding, packing), soft-cap, grouped heads",
            ("tpu",), _splash, dense_masks=False, bias=False, length_multiple=128, pallas=True),
