@@ -241,10 +241,14 @@ def main():
       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
       text=True, cwd=ROOT, env=jax_env if side.startswith("jax") else None)
       for side in sides}
-  versions = {}
-  for side, child in children.items():
+  versions, failed = {}, {}
+  for side, child in list(children.items()):
     ready, _, versions[side] = child.stdout.readline().strip().partition(" ")
-    assert ready == "ready", side
+    if ready != "ready":  # it died building: reported, the others measured
+      failed[side] = child.wait()
+      del children[side]
+  sides = [side for side in sides if side in children]
+  jax_sides = [side for side in jax_sides if side in children]
   times = {side: [] for side in sides}
   for _ in range(args.rounds):
     for side, child in children.items():
@@ -260,7 +264,8 @@ def main():
                 torch=versions[sides[-1]] if len(sides) > len(jax_sides) else None,
                 logits_chunk_length=args.logits_chunk_length,
                 attention_dropout=hf_fields(args).get("attn_pdrop"),
-                batch_size=args.batch_size, seq_len=args.seq_len, step_s=medians)
+                batch_size=args.batch_size, seq_len=args.seq_len, step_s=medians,
+                failed_sides=failed)
   for jax_side in jax_sides:
     for side in sides[len(jax_sides):]:
       result[f"speedup_{jax_side}_vs_{side}"] = round(medians[side] / medians[jax_side], 2)

@@ -227,6 +227,23 @@ def test_a_call_the_kernel_cannot_take_falls_back_with_one_log_line(interpreted,
   np.testing.assert_allclose(out, attention.dot_product_attention(*qkv, parts.dense), **FORWARD)
 
 
+def test_a_kernel_package_that_fails_here_falls_back_with_one_log_line(monkeypatch, caplog):
+  """As tokamax 0.0.12's GPU kernels fail to build under jax 0.11.2 (AttributeError: pl.dot
+  was removed): the reference runs, logged once per failure."""
+  def failing(*args):
+    raise AttributeError("pl.dot was deprecated in JAX v0.11.0, and removed")
+
+  monkeypatch.setitem(kernels.KERNELS, "tokamax",
+                      dataclasses.replace(kernels.KERNELS["tokamax"], run=failing))
+  qkv, parts, _, _ = _call("causal_packed")
+  with caplog.at_level(logging.WARNING):
+    assert kernels.run("tokamax", *qkv, parts) is None
+    assert kernels.run("tokamax", *qkv, parts) is None
+  assert [r.getMessage() for r in caplog.records] == [
+      "attention_implementation='tokamax' failed here (AttributeError: pl.dot was deprecated "
+      "in JAX v0.11.0, and removed): this call runs the reference."]
+
+
 @pytest.mark.parametrize("implementation, options, platform, message", [
     ("splash", {}, "cpu", "attention_implementation='splash' runs on tpu, not cpu"),
     ("cudnn", dict(dtype="bfloat16"), "cpu", "'cudnn' runs on gpu, not cpu"),
@@ -261,6 +278,8 @@ def test_gpu_kernels_equal_the_reference(name, case):
   qkv = [x.astype(jnp.bfloat16) for x in qkv]
   if kernels.choose(name, kernels.Call.of(qkv[0], qkv[1], parts, softcap=softcap)) != name:
     pytest.skip(f"{name} does not take {case}")
+  if kernels.run(name, *qkv, parts, softcap=softcap) is None:  # logged: the package failed
+    pytest.skip(f"{name} fails to build here (see the log)")
   ours = lambda q, k, v: kernels.run(name, q, k, v, parts, softcap=softcap).astype(jnp.float32)
   reference = lambda q, k, v: attention.dot_product_attention(
       q, k, v, parts.dense, softcap=softcap).astype(jnp.float32)

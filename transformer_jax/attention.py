@@ -335,10 +335,12 @@ def fused_attention(query: Array, key: Array, value: Array, mask, implementation
   `kernels.StructuredMask`; where `implementation` resolves to the reference (or falls back
   to it), `dot_product_attention` runs."""
   name = resolve_implementation(implementation, query, key, mask, bias=bias, softcap=softcap)
-  if name == "reference":
-    return dot_product_attention(query, key, value, kernels.split_mask(mask)[0], bias=bias,
-                                 scale=scale, softcap=softcap)
-  return kernels.run(name, query, key, value, mask, bias=bias, scale=scale, softcap=softcap)
+  out = None if name == "reference" else kernels.run(name, query, key, value, mask, bias=bias,
+                                                     scale=scale, softcap=softcap)
+  if out is None:
+    out = dot_product_attention(query, key, value, kernels.split_mask(mask)[0], bias=bias,
+                                scale=scale, softcap=softcap)
+  return out
 
 
 def _keys_last(x: Array) -> Array:
@@ -509,10 +511,11 @@ class MultiHeadAttention(nn.Module):
     if self.score == "dot_product" and not (capture or dropout_rng is not None):
       implementation = resolve_implementation(self.implementation, query, key, parts or mask,
                                               bias=bias, softcap=self.softcap)
-    if implementation != "reference":
+    out = None
+    if implementation != "reference":  # None: the kernel failed to build; the reference runs
       out = kernels.run(implementation, query, key, value, parts or mask, bias=bias,
                         scale=scale, softcap=self.softcap)
-    else:
+    if out is None:
       out, weights = self._reference(query, key, value, mask, bias, scale, dropout_rng)
       if capture:
         self.sow("intermediates", "attention_weights", weights)

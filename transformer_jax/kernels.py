@@ -180,11 +180,18 @@ def _without_empty_rows(attend: Callable[[Array | None], Array], query: Array, v
 
 # ----------------------------------------------------------------------------- tokamax
 def _tokamax(query, key, value, dense, parts, bias, scale, softcap, interpret):
-  """tokamax's flash attention: Mosaic GPU (Hopper and later) then Triton on a GPU, Mosaic on
-  a TPU; the mask array read blockwise, causality (where the parts say so) skipping blocks."""
+  """tokamax's flash attention: Triton on a GPU, Mosaic on a TPU; the mask array read
+  blockwise, causality (where the parts say so) skipping blocks. (tokamax 0.0.12's Mosaic
+  GPU kernel fails under jax 0.11.2 on an H200: "Mesh.__init__() got an unexpected keyword
+  argument 'out_shape'", so the GPU takes its Triton kernel.)"""
   del interpret
+  from absl import flags  # pylint: disable=import-outside-toplevel
   import tokamax  # pylint: disable=import-outside-toplevel  # only where it is asked for
-  implementation = ("mosaic", "triton") if jax.default_backend() == "gpu" else ("mosaic",)
+  if not flags.FLAGS.is_parsed():
+    # tokamax reads its absl flags, parsing sys.argv first if nobody has: a program whose
+    # arguments are argparse's would stop there. Its defaults are what we want.
+    flags.FLAGS.mark_as_parsed()
+  implementation = "triton" if jax.default_backend() == "gpu" else "mosaic"
   return _without_empty_rows(
       lambda mask: tokamax.dot_product_attention(
           query, key, value, bias=None if bias is None else bias.astype(query.dtype),
@@ -261,7 +268,7 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
            ("gpu",), _jax_nn("cudnn"), softcap=False, half_precision_only=True,
            head_dims=_CUDNN_HEAD_DIMS, head_dims_text="that is a multiple of 8 up to 256",
            min_queries=2),
-    Kernel("tokamax", "tokamax flash attention (Mosaic GPU / Triton, Mosaic TPU): mask "
+    Kernel("tokamax", "tokamax flash attention (Triton on a GPU, Mosaic TPU): mask "
            "arrays, bias, soft-cap", ("gpu", "tpu"), _tokamax, min_queries=2, module="tokamax"),
     Kernel("splash", "JAX's splash attention (Pallas TPU): causal / full / sliding-window "
            "masks with segment ids (padding, packing), soft-cap, grouped heads",
@@ -300,14 +307,26 @@ def choose(implementation: str, call: Call) -> str:
 
 
 def run(name: str, query: Array, key: Array, value: Array, mask, *, bias: Array | None = None,
-        scale: float | None = None, softcap: float = 0.0) -> Array:
-  """Kernel `name` (not the reference) on one call: [b, q, h, d] like the reference."""
+        scale: float | None = None, softcap: float = 0.0) -> Array | None:
+  """Kernel `name` (not the reference) on one call: [b, q, h, d] like the reference; None
+  where a kernel of another package fails to build for this call (that package against this
+  jax: tokamax 0.0.12's GPU kernels under jax 0.11.2), logged once: run the reference."""
   dense, parts = split_mask(mask)
   kernel = KERNELS[name]
   interpret = jax.default_backend() not in kernel.platforms
   if kernel.pallas and not kernel.dense_masks:
     return _per_shard(kernel, query, key, value, parts, scale, softcap, interpret)
-  return kernel.run(query, key, value, dense, parts, bias, scale, softcap, interpret)
+  if kernel.module is None:
+    return kernel.run(query, key, value, dense, parts, bias, scale, softcap, interpret)
+  try:
+    return kernel.run(query, key, value, dense, parts, bias, scale, softcap, interpret)
+  except Exception as error:  # pylint: disable=broad-except  # the package's own failure
+    why = f"failed here ({type(error).__name__}: {str(error).splitlines()[0][:160]})"
+    if (name, why) not in _warned:
+      _warned.add((name, why))
+      logging.warning("attention_implementation=%r %s: this call runs the reference.", name,
+                      why)
+    return None
 
 
 def _per_shard(kernel: Kernel, query: Array, key: Array, value: Array, parts: StructuredMask,
