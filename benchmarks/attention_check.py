@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from transformer_jax import attention  # noqa: E402
-from transformer_jax import models  # noqa: E402
+from transformer_jax.model import attention  # noqa: E402
+from transformer_jax.model import models  # noqa: E402
 
 
 def packed_tokens(rng: np.random.Generator, batch: int, length: int, packed: bool):

@@ -38,7 +38,7 @@ SHAPES = {"smollm2": (8, 1024, 9, 3, 64), "gpt2-0.5b": (8, 1024, 16, 16, 64),
 def _inputs(shape, dtype):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from transformer_jax import kernels, models  # pylint: disable=g-import-not-at-top
+  from transformer_jax.model import kernels, models  # pylint: disable=g-import-not-at-top
   rows, length, heads, kv_heads, dim = shape
   r = jax.random.split(jax.random.PRNGKey(0), 3)
   query = jax.random.normal(r[0], (rows, length, heads, dim), dtype)
@@ -50,7 +50,7 @@ def _inputs(shape, dtype):
 
 
 def _attention(name):
-  from transformer_jax import attention  # pylint: disable=g-import-not-at-top
+  from transformer_jax.model import attention  # pylint: disable=g-import-not-at-top
   return lambda q, k, v, mask: attention.fused_attention(q, k, v, mask, name)
 
 
@@ -68,7 +68,7 @@ def _timed(fn, args, rounds):
 def speed(args) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from transformer_jax import kernels  # pylint: disable=g-import-not-at-top
+  from transformer_jax.model import kernels  # pylint: disable=g-import-not-at-top
   for shape_name in args.shapes.split(","):
     shape = SHAPES[shape_name]
     qkv, mask = _inputs(shape, jnp.dtype(args.dtype))
@@ -101,7 +101,7 @@ def speed(args) -> None:
 def memory(args) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from transformer_jax import kernels  # pylint: disable=g-import-not-at-top
+  from transformer_jax.model import kernels  # pylint: disable=g-import-not-at-top
   os.environ.setdefault(kernels.INTERPRET_ENV, "1")
   shape = (1, args.memory, 16, 16, 128)
   qkv, mask = _inputs(shape, jnp.dtype(args.dtype))

@@ -5,7 +5,7 @@
 
 Two `generate.Generator`s decode the same prompts (compare_generate.py's: a sentence each) with
 beam 4 for exactly 32 tokens: one as predict does (beams read their slots where their
-hypotheses wrote them, attention.reorder_beams), one traced with the reorder that gathers every
+hypotheses wrote them, kv_cache.reorder_beams), one traced with the reorder that gathers every
 layer's keys and values per step (what beam search did before). The calls alternate, so the
 machine's drift hits both alike; prints each side's median and every round's seconds. A
 benchmark, not a test.

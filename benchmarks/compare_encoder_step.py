@@ -62,7 +62,8 @@ def random_batch(batch_size: int, seq_len: int, pad_fraction: float):
 
 def jax_runner(args):
   import jax  # pylint: disable=g-import-not-at-top
-  from transformer_jax import benchmark, families, models  # pylint: disable=g-import-not-at-top
+  from transformer_jax import benchmark, families  # pylint: disable=g-import-not-at-top
+  from transformer_jax.model import models  # pylint: disable=g-import-not-at-top
   model_config = models.TransformerConfig(**dict(
       OURS, attention_dropout_rate=args.attention_dropout,
       attention_implementation=args.attention_implementation))

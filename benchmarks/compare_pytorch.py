@@ -34,7 +34,7 @@ def torch_step(batch_size, seq_len, norm_first):
   """A blocking training step of PyTorch eager nn.Transformer."""
   import torch
   from torch import nn
-  from transformer_jax.layers import sinusoidal_positions
+  from transformer_jax.model.layers import sinusoidal_positions
   torch.manual_seed(0)
   positions = torch.tensor(sinusoidal_positions(seq_len, D_MODEL))
 

@@ -81,7 +81,7 @@ def decode_in_pieces(model, params, tokens, pieces):
   (start, stop) `pieces` (a prompt filled in one call, then a few tokens at a time), to
   compare with one full forward pass."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from transformer_jax import models  # pylint: disable=import-outside-toplevel
+  from transformer_jax.model import models  # pylint: disable=import-outside-toplevel
   inputs = models.shift_right(tokens, model.config.bos_id)
   cache = jax.tree.map(jnp.zeros_like, model.init(
       jax.random.PRNGKey(0), jnp.ones(tokens.shape, jnp.int32), deterministic=True,

@@ -19,11 +19,11 @@ from transformer_jax import default_config
 from transformer_jax import evaluation
 from transformer_jax import families
 from transformer_jax import generate
-from transformer_jax import layers
 from transformer_jax import metrics
-from transformer_jax import models
 from transformer_jax import tasks
 from transformer_jax.data import examples as examples_lib
+from transformer_jax.model import layers
+from transformer_jax.model import models
 
 PACKAGE = os.path.join(ROOT, "transformer_jax")
 
@@ -74,6 +74,17 @@ def test_no_import_cycle_inside_the_package():
   assert "transformer_jax.predict" not in graph["transformer_jax.evaluation"]
 
 
+def test_the_model_package_imports_nothing_else_of_the_project():
+  """transformer_jax/model/ is the Flax model alone: what decodes, trains or serves it sits
+  above and imports it, never the other way."""
+  modules = _modules()
+  inside = lambda name: name == "transformer_jax.model" or name.startswith("transformer_jax.model.")
+  for name, path in modules.items():
+    if inside(name):
+      outside = {m for m in _imports(path, modules) if not inside(m)}
+      assert not outside, (name, outside)
+
+
 def test_only_the_hugging_face_source_imports_the_datasets_library():
   """`datasets` is an optional extra: nothing else may need it."""
   importers = set()
@@ -94,7 +105,7 @@ def test_model_family_checks_live_only_in_families():
   or config is."""
   family_names = ("EncoderDecoder", "DecoderOnly", "EncoderClassifier")
   for name, path in _modules().items():
-    if name in ("transformer_jax.families", "transformer_jax.models"):
+    if name in ("transformer_jax.families", "transformer_jax.model.models"):
       continue
     for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
       if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "isinstance":

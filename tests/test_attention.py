@@ -2,7 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax import attention
+from transformer_jax.model import attention
 
 
 def test_causal_mask_literal():

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax import attention
-from transformer_jax import kernels
 from transformer_jax import metrics
-from transformer_jax import models
+from transformer_jax.model import attention
+from transformer_jax.model import kernels
+from transformer_jax.model import models
 
 ON_GPU = jax.default_backend() == "gpu"
 IMPLEMENTATIONS = [

@@ -12,9 +12,9 @@ from tensorboard.backend.event_processing import event_accumulator
 from transformer_jax import attention_maps
 from transformer_jax import config_validation
 from transformer_jax import families
-from transformer_jax import models
 from transformer_jax import summary_writer
 from transformer_jax import tokenizer as tokenizer_lib
+from transformer_jax.model import models
 
 CONFIG = models.TransformerConfig(vocab_size=40, emb_dim=16, num_heads=2, num_layers=2,
                                   qkv_dim=16, mlp_dim=32, max_len=16)

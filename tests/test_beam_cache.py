@@ -1,5 +1,5 @@
 """Beams that share their cache slots (issue #42): beam search reorders its hypotheses by
-moving each row's slot offsets (attention.reorder_beams), not every layer's keys and values,
+moving each row's slot offsets (kv_cache.reorder_beams), not every layer's keys and values,
 and attention reads each row's slots where its hypothesis wrote them. The outputs are those of
 beams that each carry a whole cache of their own."""
 
@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 from tests import hf_fixtures
-from transformer_jax import attention
 from transformer_jax import families
 from transformer_jax import generate
+from transformer_jax.model import attention
+from transformer_jax.model import beam_attention
+from transformer_jax.model import kv_cache
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,10 +53,10 @@ def test_beam_attention_is_attention_over_each_rows_own_slots(heads, kv_heads, w
   decoded = (tuple(jnp.transpose(x[:, prompt_len:], (0, 2, 3, 1)).reshape(
       sources, beams, kv_heads, dim, length - prompt_len) for x in (key, value))
              if prompt_len else None)
-  got = attention.beam_attention(query, key, value, mask, slot_rows, beams, bias=bias,
+  got = beam_attention.beam_attention(query, key, value, mask, slot_rows, beams, bias=bias,
                                  softcap=softcap, decoded=decoded)
   want = attention.dot_product_attention(
-      query, attention.beam_slots(key, slot_rows), attention.beam_slots(value, slot_rows),
+      query, kv_cache.beam_slots(key, slot_rows), kv_cache.beam_slots(value, slot_rows),
       mask, bias=bias, softcap=softcap)
   np.testing.assert_allclose(got, want, atol=1e-6)
   # Not vacuous: the rows' own slots give other outputs.
@@ -71,7 +73,7 @@ def test_reorder_beams_moves_slot_offsets_and_leaves_keys_and_values():
                      "slot_rows": jnp.asarray(_holders(rng, 2, 3, length))},
            "cached_positions": jnp.asarray(rng.integers(0, 9, (rows, length)))}
   parents = jnp.array([2, 2, 0, 4, 3, 3])  # row r goes on with row parents[r]'s hypothesis
-  new = attention.reorder_beams(cache, parents)
+  new = kv_cache.reorder_beams(cache, parents)
   for name in ("cached_key", "cached_value", "cache_index"):
     assert new["layer"][name] is cache["layer"][name]
   np.testing.assert_array_equal(new["cached_positions"], cache["cached_positions"][parents])

@@ -1,5 +1,5 @@
 from transformer_jax import flops
-from transformer_jax import models
+from transformer_jax.model import models
 
 
 def test_flop_count_matches_a_hand_count():

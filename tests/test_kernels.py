@@ -1,4 +1,4 @@
-"""The attention kernel table (transformer_jax/kernels.py): every kernel that runs here equals
+"""The attention kernel table (transformer_jax/model/kernels.py): every kernel that runs here equals
 the reference attention on the masks it claims (the TPU's splash kernel in Pallas interpret
 mode: forward within 1e-5 in float32, gradients within 1e-4, alone, in a model and under the
 jit mesh); 'auto''s choice per platform with the platform forced; a call a named kernel cannot
@@ -18,11 +18,11 @@ import pytest
 
 from tests import cli
 from tests.conftest import xla_flags
-from transformer_jax import attention
 from transformer_jax import config_validation
-from transformer_jax import kernels
-from transformer_jax import models
 from transformer_jax import parallel
+from transformer_jax.model import attention
+from transformer_jax.model import kernels
+from transformer_jax.model import models
 
 FORWARD = dict(rtol=1e-5, atol=1e-5)
 GRADIENT = dict(rtol=1e-4, atol=1e-4)

@@ -12,10 +12,10 @@ import pytest
 from transformer_jax import config_validation
 from transformer_jax import families
 from transformer_jax import layer_decay
-from transformer_jax import models
 from transformer_jax import optimizer
 from transformer_jax import parallel
 from transformer_jax import train
+from transformer_jax.model import models
 
 _TINY = models.TransformerConfig(vocab_size=16, emb_dim=8, num_heads=2, num_layers=2, qkv_dim=8,
                                  mlp_dim=16, max_len=32, num_classes=2, dropout_rate=0.0,

@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 
-from transformer_jax import layers
+from transformer_jax.model import layers
 
 
 def _reference(length, dim, base):

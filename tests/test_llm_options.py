@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax import attention
-from transformer_jax import blocks
 from transformer_jax import config_validation
-from transformer_jax import layers
-from transformer_jax import models
 from transformer_jax import parallel
+from transformer_jax.model import attention
+from transformer_jax.model import blocks
+from transformer_jax.model import layers
+from transformer_jax.model import models
 
 SMALL = models.TransformerConfig(vocab_size=40, emb_dim=16, num_heads=4, num_layers=2,
                                  qkv_dim=16, mlp_dim=32, max_len=24, dropout_rate=0.0,

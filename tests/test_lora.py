@@ -1,4 +1,4 @@
-"""LoRA (config.lora, transformer_jax/lora.py) against the reference PEFT: adapters that start
+"""LoRA (config.lora, transformer_jax/model/lora.py) against the reference PEFT: adapters that start
 as the base, train alone, travel to and from PEFT's format with equal outputs, and shard.
 
 Tiny Hugging Face models made here (tests/hf_fixtures.py) stand in for hub checkpoints.
@@ -21,11 +21,11 @@ from transformer_jax import commands
 from transformer_jax import config_validation
 from transformer_jax import families
 from transformer_jax import layer_decay
-from transformer_jax import lora as lora_lib
-from transformer_jax import models
 from transformer_jax import predict
-from transformer_jax import workdir as workdir_lib
 from transformer_jax import train
+from transformer_jax import workdir as workdir_lib
+from transformer_jax.model import lora as lora_lib
+from transformer_jax.model import models
 from transformer_jax.predict import Predictor
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
 from transformer_jax.pretrained import peft as peft_lib

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from transformer_jax import families
-from transformer_jax import models
 from transformer_jax import parallel
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax import train
 from transformer_jax.data import demo
 from transformer_jax.data import features
 from transformer_jax.data import pipeline
+from transformer_jax.model import models
 from tests.conftest import decode_in_pieces
 from tests.conftest import make_tiny_config
 

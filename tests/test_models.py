@@ -5,7 +5,7 @@ import pytest
 
 from transformer_jax import decoding
 from transformer_jax import families
-from transformer_jax import models
+from transformer_jax.model import models
 
 CONFIG = models.TransformerConfig(vocab_size=40, emb_dim=16, num_heads=2, num_layers=2,
                                   qkv_dim=16, mlp_dim=32, max_len=16, dropout_rate=0.1,

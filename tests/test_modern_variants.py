@@ -8,18 +8,18 @@ import numpy as np
 import pytest
 
 from tests.conftest import decode_in_pieces
-from transformer_jax import attention
 from transformer_jax import commands
 from transformer_jax import config_validation
 from transformer_jax import decoding
 from transformer_jax import default_config
 from transformer_jax import families
 from transformer_jax import flops
-from transformer_jax import layers
 from transformer_jax import metrics
-from transformer_jax import models
 from transformer_jax import parallel
 from transformer_jax import train
+from transformer_jax.model import attention
+from transformer_jax.model import layers
+from transformer_jax.model import models
 
 # Four heads of dimension 4, so that 2 (grouped) and 1 (multi-query) key/value heads differ.
 SMALL = models.TransformerConfig(vocab_size=40, emb_dim=16, num_heads=4, num_layers=2,
@@ -474,7 +474,7 @@ def test_cache_holds_only_the_key_value_heads():
   family = families.from_model_config("encoder_decoder", SMALL.replace(num_kv_heads=2))
   cache = family.init_cache(3, 6, 9)
   layer = cache["decoder"]["layer_0"]["self_attention"]
-  # [b, n, d, len]: the layout the score and value matmuls read (attention._keys_last)
+  # [b, n, d, len]: the layout the score and value matmuls read (kv_cache.keys_last)
   assert layer["cached_key"].shape == layer["cached_value"].shape == (3, 2, 4, 9)
   params = family.init_params(jax.random.PRNGKey(0))
   inputs = jnp.array([[5, 9, 12, 1, 0, 0]])

@@ -32,13 +32,13 @@ from transformer_jax import commands
 from transformer_jax import config_validation
 from transformer_jax import default_config
 from transformer_jax import families
-from transformer_jax import layers
-from transformer_jax import models
 from transformer_jax import predict
 from transformer_jax import workdir as workdir_lib
 from transformer_jax.data import directions
 from transformer_jax.data import features
 from transformer_jax.data import pipeline
+from transformer_jax.model import layers
+from transformer_jax.model import models
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
 from transformer_jax.pretrained import run_config
 from transformer_jax.pretrained import tokenizer as tokenizer_lib

@@ -21,10 +21,10 @@ from tests import hf_fixtures
 from tests.conftest import make_tiny_config
 from transformer_jax import commands
 from transformer_jax import default_config
-from transformer_jax import model_schema
-from transformer_jax import models
 from transformer_jax.data import pipeline
 from transformer_jax.data import prompt_format
+from transformer_jax.model import models
+from transformer_jax.model import schema as model_schema
 from transformer_jax.predict import Predictor
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
 from transformer_jax.pretrained import mapping
@@ -566,7 +566,8 @@ import functools, json, sys
 sys.path.insert(0, sys.argv[1])
 import jax, numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
-from transformer_jax import families, models, parallel
+from transformer_jax import families, parallel
+from transformer_jax.model import models
 from transformer_jax.pretrained import checkpoint
 folder, tokens = sys.argv[2], np.load(sys.argv[3])
 layout = parallel.MeshParallel(data=1, fsdp=4, tensor=2)

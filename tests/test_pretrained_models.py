@@ -28,8 +28,8 @@ from tests import hf_fixtures
 from tests.conftest import ROOT
 from transformer_jax import default_config
 from transformer_jax import families
-from transformer_jax import models
 from transformer_jax.data import pipeline
+from transformer_jax.model import models
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
 from transformer_jax.pretrained import generation
 from transformer_jax.pretrained import tokenizer as tokenizer_lib
@@ -273,7 +273,8 @@ sys.path.insert(0, {root!r})
 import jax
 import numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
-from transformer_jax import families, models, parallel
+from transformer_jax import families, parallel
+from transformer_jax.model import models
 from transformer_jax.pretrained import checkpoint
 assert jax.device_count() == 8
 layout = parallel.MeshParallel(data=1, fsdp=4, tensor=2)

@@ -64,7 +64,7 @@ def test_predict_pretrained_cli_and_predictor_equal_hf_generate(marian_folder):
 
 
 def test_fine_tune_evaluate_and_export(t5_folder, tmp_path, data_cache):
-  from transformer_jax import models  # pylint: disable=import-outside-toplevel
+  from transformer_jax.model import models  # pylint: disable=import-outside-toplevel
   from transformer_jax import train  # pylint: disable=import-outside-toplevel
   from transformer_jax.predict import Predictor  # pylint: disable=import-outside-toplevel
   from transformer_jax.pretrained import run_config  # pylint: disable=import-outside-toplevel

@@ -17,7 +17,6 @@ from transformer_jax import config_validation
 from transformer_jax import default_config
 from transformer_jax import families
 from transformer_jax import metrics
-from transformer_jax import models
 from transformer_jax import predict
 from transformer_jax import tasks
 from transformer_jax import train
@@ -25,6 +24,7 @@ from transformer_jax import workdir as workdir_lib
 from transformer_jax.data import hf_source
 from transformer_jax.data import pipeline
 from transformer_jax.data import preparation
+from transformer_jax.model import models
 
 SHARED = os.path.join(ROOT, "..", "shared", "data")
 TINY = dict(vocab_size=64, emb_dim=16, num_heads=2, num_layers=1, qkv_dim=16, mlp_dim=32,

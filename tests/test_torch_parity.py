@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax import attention
-from transformer_jax import blocks
-from transformer_jax import models
+from transformer_jax.model import attention
+from transformer_jax.model import blocks
+from transformer_jax.model import models
 
 torch = pytest.importorskip("torch")
 
@@ -164,7 +164,7 @@ def test_whole_transformer_matches_torch(pre_ln):
   torch_model.eval()
 
   embedding = np.asarray(params["shared_embedding"]["embedding"]["embedding"])
-  from transformer_jax import layers
+  from transformer_jax.model import layers
   table = layers.sinusoidal_positions(32, E)
   embed = lambda ids: _t(embedding[np.asarray(ids)] * np.sqrt(E) + table[:ids.shape[1]])
   decoder_inputs = models.shift_right(targets, config.bos_id)

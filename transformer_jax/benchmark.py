@@ -27,12 +27,12 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from transformer_jax import attention
 from transformer_jax import decoding
 from transformer_jax import families
 from transformer_jax import flops
 from transformer_jax import parallel
 from transformer_jax import train
+from transformer_jax.model import kv_cache
 
 NEVER = -1  # an EOS id no token has: every row decodes decode_len tokens
 PROFILE_STEPS = 3  # traced after the timed steps, with --profile_dir
@@ -128,7 +128,7 @@ def _decode(params, inputs, *, family, decode_len: int, beam_size: int, use_cach
     cache, cached, _ = family.start_decoding(params, inputs, inputs.shape[0] * beam_size,
                                              decode_len, beams=beam_size)
     if beam_size > 1:
-      reorder_cache, expand_beams = attention.reorder_beams, attention.expand_beams
+      reorder_cache, expand_beams = kv_cache.reorder_beams, kv_cache.expand_beams
 
     def tokens_to_logits(ids, cache):
       logits, cache = cached(ids, cache)

@@ -16,13 +16,13 @@ import jax
 import ml_collections
 
 from transformer_jax import families
-from transformer_jax import kernels
-from transformer_jax import layers
-from transformer_jax import lora as lora_lib
 from transformer_jax import parallel
 from transformer_jax.data import directions
 from transformer_jax.data import hf_source
 from transformer_jax.data import prompt_format
+from transformer_jax.model import kernels
+from transformer_jax.model import layers
+from transformer_jax.model import lora as lora_lib
 
 CHOICES = {
     "task": ("translation", "summarization", "classification", "multitask"),

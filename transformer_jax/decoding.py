@@ -661,10 +661,10 @@ def beam_search(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, *,
     reorder_cache: (cache, rows [batch*beam]) -> the cache whose row r goes on with the
       hypothesis of row rows[r]; None: every leaf's rows gathered. (A model that reads its
       keys and values through per-row slot offsets moves only those:
-      attention.reorder_beams.)
+      kv_cache.reorder_beams.)
     expand_beams: (cache, beam) -> the cache for batch * beam rows; None: `expand_cache`,
-      every leaf's rows repeated. (attention.expand_beams skips the leaves that
-      attention.with_beam_slots made per beam already.)
+      every leaf's rows repeated. (kv_cache.expand_beams skips the leaves that
+      kv_cache.with_beam_slots made per beam already.)
 
   Returns:
     sequences int32 [batch, beam, max_decode_len] (zeros after EOS) and scores float32

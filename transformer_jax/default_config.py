@@ -12,8 +12,8 @@ import os
 
 import ml_collections
 
-from transformer_jax import model_schema
 from transformer_jax import parallel
+from transformer_jax.model import schema as model_schema
 
 
 def load(path: str, *args: str) -> ml_collections.ConfigDict:
@@ -348,7 +348,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.profile_steps = ()
 
   # ---- Model ------------------------------------------------------------------------------
-  # Every field of transformer_jax.model_schema.TransformerConfig, with its default there (the one
+  # Every field of transformer_jax.model.schema.TransformerConfig, with its default there (the one
   # source of model defaults; each field's meaning is commented in the dataclass). Sizes
   # (vocab_size, emb_dim, num_heads, num_layers, qkv_dim, mlp_dim, max_len) are set per
   # experiment; dtype is a name, e.g. 'bfloat16'.

@@ -12,14 +12,14 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from transformer_jax import attention
 from transformer_jax import generate
-from transformer_jax import lora as lora_lib
-from transformer_jax import model_schema
 from transformer_jax import output_loss
 from transformer_jax import parallel
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax.data import pipeline
+from transformer_jax.model import kv_cache
+from transformer_jax.model import lora as lora_lib
+from transformer_jax.model import schema as model_schema
 
 Array = jax.Array
 
@@ -188,8 +188,8 @@ class SequenceFamily(Family):
                            batch_size=inputs.shape[0], decoding_config=decoding_config,
                            max_len=max_len, nbest=nbest, forced_first=forced_first,
                            row_limits=self.output_limits(inputs, decoding_config),
-                           reorder_cache=attention.reorder_beams if beams > 1 else None,
-                           expand_beams=attention.expand_beams if beams > 1 else None)
+                           reorder_cache=kv_cache.reorder_beams if beams > 1 else None,
+                           expand_beams=kv_cache.expand_beams if beams > 1 else None)
 
   def output_limits(self, inputs: Array, decoding_config: ml_collections.ConfigDict
                     ) -> Array | None:
@@ -211,10 +211,10 @@ class SequenceFamily(Family):
                      beams: int = 1):
     """(cache, tokens_to_logits over `rows` flat rows, first token) for `inputs` [b, len].
     `beams` > 1: the rows are the hypotheses of a beam search that reorders the cache with
-    attention.reorder_beams (the keys and values stay where they were written)."""
+    kv_cache.reorder_beams (the keys and values stay where they were written)."""
     cache, context, start_id = self.prefill(params, inputs, rows, max_len, packing)
     if beams > 1:
-      cache = attention.with_beam_slots(cache, max_len, beams)
+      cache = kv_cache.with_beam_slots(cache, max_len, beams)
     return cache, self.step_logits(params, context, beams), start_id
 
   @abc.abstractmethod

@@ -7,8 +7,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from transformer_jax import layers
-from transformer_jax import model_schema
+from transformer_jax.model import layers
+from transformer_jax.model import schema as model_schema
 
 # Dense peak TFLOP/s per chip from the vendors' data sheets: (bfloat16, float32).
 # GPU float32 is the TF32 tensor-core rate, which XLA uses for float32 matmuls by default.

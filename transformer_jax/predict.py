@@ -23,12 +23,12 @@ from transformer_jax import checkpoints
 from transformer_jax import config_validation
 from transformer_jax import families
 from transformer_jax import generate
-from transformer_jax import lora as lora_lib
 from transformer_jax import parallel
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax import workdir as workdir_lib
 from transformer_jax.data import preparation
 from transformer_jax.data import prompt_format
+from transformer_jax.model import lora as lora_lib
 
 
 class Predictor:

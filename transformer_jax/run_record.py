@@ -19,11 +19,11 @@ from transformer_jax import checkpoint_policy
 from transformer_jax import evaluation
 from transformer_jax import families
 from transformer_jax import flops
-from transformer_jax import lora as lora_lib
 from transformer_jax import metrics
 from transformer_jax import saved_config
 from transformer_jax import summary_writer
 from transformer_jax import tokenizer as tokenizer_lib
+from transformer_jax.model import lora as lora_lib
 
 
 def writers(workdir: str, is_chief: bool) -> tuple:

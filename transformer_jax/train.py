@@ -22,7 +22,6 @@ from transformer_jax import checkpoint_policy
 from transformer_jax import checkpoints
 from transformer_jax import config_validation
 from transformer_jax import families
-from transformer_jax import lora as lora_lib
 from transformer_jax import metrics
 from transformer_jax import optimizer
 from transformer_jax import parallel
@@ -34,6 +33,7 @@ from transformer_jax import workdir as workdir_lib
 from transformer_jax.data import pipeline
 from transformer_jax.data import preparation
 from transformer_jax.data import sources
+from transformer_jax.model import lora as lora_lib
 
 
 class TrainState(train_state.TrainState):

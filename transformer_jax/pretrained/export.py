@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from typing import Sequence
 
-from transformer_jax import model_schema
 from transformer_jax import workdir as workdir_lib
+from transformer_jax.model import schema as model_schema
 from transformer_jax.pretrained import architecture
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
 from transformer_jax.pretrained import mapping

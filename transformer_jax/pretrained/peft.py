@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 from flax import traverse_util
 
-from transformer_jax import lora as lora_lib
-from transformer_jax import model_schema
 from transformer_jax import workdir as workdir_lib
+from transformer_jax.model import lora as lora_lib
+from transformer_jax.model import schema as model_schema
 from transformer_jax.pretrained import architecture
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
 from transformer_jax.pretrained import files

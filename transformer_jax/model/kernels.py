@@ -2,7 +2,7 @@
 and options it takes, and what 'auto' picks per platform.
 
 `MultiHeadAttention` asks `choose` for a kernel per call (at trace time, from shapes alone) and
-runs it with `run`; 'reference' (attention.py's einsums) takes every call and is what a call
+runs it with `run`; 'reference' (dot_product.py's einsums) takes every call and is what a call
 falls back to when the kernel asked for cannot take it (one log line per kernel and reason).
 `config_validation` reads `IMPLEMENTATIONS` and `config_refusal`, so adding a kernel is one
 entry in `KERNELS`. This module imports nothing else of the project.
@@ -92,7 +92,7 @@ class Kernel:
   name: str
   summary: str
   platforms: tuple[str, ...]
-  run: Callable | None  # None: attention.py's reference einsums
+  run: Callable | None  # None: dot_product.py's reference einsums
   dense_masks: bool = True
   windows: bool = True
   bias: bool = True

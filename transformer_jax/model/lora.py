@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import traverse_util
 
-from transformer_jax.model_schema import LORA_TARGETS, LoraSpec
+from transformer_jax.model.schema import LORA_TARGETS, LoraSpec
 
 Array = jax.Array
 SUFFIX = "_lora"

@@ -9,10 +9,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer_jax import attention
-from transformer_jax import kernels
-from transformer_jax import layers
-from transformer_jax.model_schema import TransformerConfig
+from transformer_jax.model import attention
+from transformer_jax.model import kernels
+from transformer_jax.model import layers
+from transformer_jax.model.schema import TransformerConfig
 
 Array = jax.Array
 

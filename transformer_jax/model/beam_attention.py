@@ -1,0 +1,124 @@
+"""Attention of beam-search hypotheses that share their cache slots (`kv_cache.reorder_beams`
+points rows at the slots their beams wrote, instead of moving keys and values)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from transformer_jax.model.dot_product import check_groups, masked_scores, softmax_weights
+from transformer_jax.model.kv_cache import keys_last
+
+Array = jax.Array
+
+
+def beam_attention(query: Array, key: Array, value: Array, mask: Array | None,
+                   slot_rows: Array, beams: int, *, bias: Array | None = None,
+                   scale: float | None = None, softcap: float | None = None,
+                   decoded: tuple[Array, Array] | None = None) -> Array:
+  """`dot_product_attention` of beams that share their cache slots: each source's `beams`
+  consecutive rows are the hypotheses of one beam search, and row j reads slot s from row
+  j + slot_rows[j, s] of its source, the row whose beam wrote it (`reorder_beams`). Each query
+  meets every key of its source's rows, the slots of other beams masked out, so the cache is
+  read once per step as in plain decoding and never copied when beams are reordered (`beams`
+  times the arithmetic; a prompt is read once with `decoded`: RESULTS.md, issue #42).
+
+  Args:
+    query: [r, q, h, d], r = sources x beams.
+    key: the cache's keys [r, L, n, d] (n dividing h, as in `dot_product_attention`).
+    value: like `key`.
+    mask: boolean, broadcastable to [r, h, q, L].
+    slot_rows: int [r, L]: where each row's slots are, as offsets from the row.
+    beams: rows per source.
+    bias, scale, softcap: as in `dot_product_attention`.
+    decoded: where the cache holds a prompt (its first P slots, alike in every beam of a
+      source) and then L - P decoded slots: those decoded slots apart, keys and values as
+      `with_beam_slots` keeps them, [b, beams, n, d, L - P]. Each row then reads the prompt in
+      its own row, and only the decoded slots from every holder: L + beams x (L - P) slots a
+      query instead of beams x L.
+
+  Returns:
+    [r, q, h, d] outputs in `value.dtype`.
+  """
+  rows, num_queries, heads, head_dim = query.shape
+  length, kv_heads = key.shape[1], key.shape[2]
+  group = check_groups(heads, kv_heads)
+  sources = rows // beams
+  scale = jnp.float32(head_dim ** -0.5 if scale is None else scale)
+  prompt_len = 0 if decoded is None else length - decoded[0].shape[-1]
+  own = None
+  if decoded is not None:  # the prompt, read in each row's own slots
+    own, prompt_values = _prompt_part(query, key, value, mask, bias, softcap, scale, beams,
+                                      prompt_len)
+    keys, values = decoded
+    length = length - prompt_len
+    slot_rows = slot_rows[:, prompt_len:]
+    mask = None if mask is None else mask[..., prompt_len:]
+    bias = None if bias is None else bias[..., prompt_len:]
+  else:
+    # Source b, holder beam i, key/value head n, querying beam j, group g, query q, slot l.
+    # The keys and values are split from the cache's own layout (`keys_last`), and both beams
+    # are batch dimensions of the products, so that they read the cache without a copy.
+    keys, values = (keys_last(x).reshape(sources, beams, kv_heads, head_dim, length)
+                    for x in (key, value))
+  queries = jnp.transpose(query.reshape(sources, beams, num_queries, kv_heads, group, head_dim),
+                          (0, 3, 1, 4, 2, 5))[:, None]  # [b, 1, n, j, g, q, d]
+  queries = jnp.broadcast_to(queries, (sources, beams) + queries.shape[2:])
+  scores = jnp.einsum("binjgqd,bindl->binjgql", queries, keys,
+                      preferred_element_type=jnp.float32) * scale
+  holder = jnp.arange(beams)[None, :, None] + slot_rows.reshape(sources, beams, length)
+  held = holder[:, None] == jnp.arange(beams)[None, :, None, None]  # [b, i, j, L]
+  visible = held[:, :, None, :, None, None, :]
+  if mask is not None:
+    visible = visible & _by_source(mask, sources, beams, kv_heads, num_queries, length)
+  if bias is not None:
+    bias = _by_source(bias, sources, beams, kv_heads, num_queries, length)
+  if own is None:
+    weights = softmax_weights(scores, visible, bias, softcap,
+                               axis=(1, 6)).astype(value.dtype)  # over holders and slots
+  else:  # one softmax over the prompt's slots and the holders' decoded ones
+    scores = masked_scores(scores, visible, bias, softcap)
+    top = jnp.maximum(jnp.max(own, axis=-1), jnp.max(scores, axis=(1, 6)))  # [b, n, j, g, q]
+    own = jnp.exp(own - top[..., None])
+    scores = jnp.exp(scores - top[:, None, ..., None])
+    total = jnp.sum(own, axis=-1) + jnp.sum(scores, axis=(1, 6))
+    weights = (scores / total[:, None, ..., None]).astype(value.dtype)
+    own = (own / total[..., None]).astype(value.dtype)
+  # Each holder's part in float32, so that 16-bit values round once, after the sum.
+  out = jnp.einsum("binjgql,bindl->binjgqd", weights, values, preferred_element_type=jnp.float32
+                   ).sum(axis=1)  # [b, n, j, g, q, d]
+  if own is not None:  # the prompt's part, from each row's own slots
+    out = out + jnp.einsum("bnjgql,bjndl->bnjgqd", own, prompt_values,
+                           preferred_element_type=jnp.float32)
+  return jnp.transpose(out.astype(value.dtype), (0, 2, 4, 1, 3, 5)).reshape(
+      rows, num_queries, heads, head_dim)
+
+
+def _prompt_part(query: Array, key: Array, value: Array, mask: Array | None,
+                 bias: Array | None, softcap: float | None, scale: Array, beams: int,
+                 prompt_len: int) -> tuple[Array, Array]:
+  """The prompt's masked scores [b, n, j, g, q, L], each row reading the prompt in its own
+  slots, and its values [b, j, n, d, L] (`beam_attention`'s `decoded` case)."""
+  rows, num_queries, heads, head_dim = query.shape
+  length, kv_heads = key.shape[1], key.shape[2]
+  sources, group = rows // beams, heads // kv_heads
+  grouped = query.reshape(rows, num_queries, kv_heads, group, head_dim)
+  own = jnp.einsum("rqngd,rknd->rngqk", grouped, key, preferred_element_type=jnp.float32)
+  own = jnp.swapaxes(own.reshape(sources, beams, *own.shape[1:]), 1, 2)
+  in_prompt = jnp.arange(length) < prompt_len
+  own_mask = in_prompt if mask is None else mask & in_prompt
+  by_source = lambda x: _by_source(x, sources, beams, kv_heads, num_queries, length)[:, 0]
+  own = masked_scores(own * scale, by_source(own_mask),
+                      None if bias is None else by_source(bias), softcap)
+  return own, keys_last(value).reshape(sources, beams, kv_heads, head_dim, length)
+
+
+def _by_source(x: Array, sources: int, beams: int, kv_heads: int, num_queries: int,
+               length: int) -> Array:
+  """A mask or bias broadcastable to [r, h, q, L] as `beam_attention`'s scores take it:
+  [b, 1, n, j, g, q, L] (n and g of size 1 where it has no heads)."""
+  heads = x.shape[-3] if x.ndim >= 3 else 1
+  group = heads // kv_heads if heads > 1 else 1
+  x = jnp.broadcast_to(x, (sources * beams, heads, num_queries, length))
+  x = x.reshape(sources, beams, heads // group, group, num_queries, length)
+  return jnp.transpose(x, (0, 2, 1, 3, 4, 5))[:, None]
