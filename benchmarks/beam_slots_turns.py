@@ -22,7 +22,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import compare_generate  # pylint: disable=g-import-not-at-top,wrong-import-position
-from transformer_jax import generate  # pylint: disable=g-import-not-at-top,wrong-import-position
+from transformer_jax.inference import generate  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def main():

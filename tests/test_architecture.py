@@ -18,10 +18,10 @@ from tests.conftest import ROOT
 from transformer_jax import default_config
 from transformer_jax import evaluation
 from transformer_jax import families
-from transformer_jax import generate
 from transformer_jax import metrics
 from transformer_jax import tasks
 from transformer_jax.data import examples as examples_lib
+from transformer_jax.inference import generate
 from transformer_jax.model import layers
 from transformer_jax.model import models
 
@@ -237,7 +237,8 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=4")
 sys.path.insert(0, sys.argv[1])
 import jax, jax.numpy as jnp, numpy as np
-from transformer_jax import generate, parallel
+from transformer_jax import parallel
+from transformer_jax.inference import generate
 
 class RandomFamily:  # outputs random bits: rows that share a key give equal outputs
   packs_prompts = False

@@ -11,7 +11,7 @@ import pytest
 
 from tests import cli
 from tests.conftest import ROOT
-from transformer_jax import generate
+from transformer_jax.inference import generate
 
 
 @pytest.mark.parametrize("count, devices, batch, rows", [
@@ -54,7 +54,8 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 sys.path.insert(0, sys.argv[1])
 import jax, numpy as np
 from tests import conftest
-from transformer_jax import families, generate, parallel
+from transformer_jax import families, parallel
+from transformer_jax.inference import generate
 
 results = {}
 # Each method under each layout, each family (sampling under pmap: the decoder-only case).

@@ -14,7 +14,7 @@ import pytest
 
 from tests import hf_fixtures
 from transformer_jax import families
-from transformer_jax import generate
+from transformer_jax.inference import generate
 from transformer_jax.model import attention
 from transformer_jax.model import beam_attention
 from transformer_jax.model import kv_cache

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax import decoding
+from transformer_jax.inference import decoding
 
 EOS, BOS = 1, 2
 

@@ -9,8 +9,8 @@ import pytest
 from configs import demo
 from transformer_jax import commands
 from transformer_jax import config_validation
-from transformer_jax import generate
 from transformer_jax import tokenizer as tokenizer_lib
+from transformer_jax.inference import generate
 
 
 def test_the_defaults_are_valid():

@@ -3,8 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax import decoding
 from transformer_jax import families
+from transformer_jax.inference import decoding
 from transformer_jax.model import models
 
 CONFIG = models.TransformerConfig(vocab_size=40, emb_dim=16, num_heads=2, num_layers=2,

@@ -10,13 +10,13 @@ import pytest
 from tests.conftest import decode_in_pieces
 from transformer_jax import commands
 from transformer_jax import config_validation
-from transformer_jax import decoding
 from transformer_jax import default_config
 from transformer_jax import families
 from transformer_jax import flops
 from transformer_jax import metrics
 from transformer_jax import parallel
 from transformer_jax import train
+from transformer_jax.inference import decoding
 from transformer_jax.model import attention
 from transformer_jax.model import layers
 from transformer_jax.model import models

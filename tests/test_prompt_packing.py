@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests import hf_fixtures
-from transformer_jax import prompt_packing
+from transformer_jax.inference import prompt_packing
 from transformer_jax.predict import Predictor
 
 transformers = pytest.importorskip("transformers")

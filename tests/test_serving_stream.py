@@ -8,11 +8,11 @@ import pytest
 
 from tests import hf_fixtures
 from transformer_jax import config_validation
-from transformer_jax import decoding
 from transformer_jax import default_config
-from transformer_jax import generate
 from transformer_jax import predict
 from transformer_jax import tokenizer as tokenizer_lib
+from transformer_jax.inference import decoding
+from transformer_jax.inference import generate
 from transformer_jax.serving import batch_decoder
 from transformer_jax.serving import texts
 

@@ -27,11 +27,11 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from transformer_jax import decoding
 from transformer_jax import families
 from transformer_jax import flops
 from transformer_jax import parallel
 from transformer_jax import train
+from transformer_jax.inference import decoding
 from transformer_jax.model import kv_cache
 
 NEVER = -1  # an EOS id no token has: every row decodes decode_len tokens

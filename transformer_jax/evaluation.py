@@ -13,12 +13,12 @@ from typing import Sequence
 import ml_collections
 from absl import logging
 
-from transformer_jax import generate
 from transformer_jax import metrics
 from transformer_jax import parallel
 from transformer_jax import tasks
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax.data import pipeline
+from transformer_jax.inference import generate
 
 
 def _eval_step(params, batch, *, family, axis_name):

@@ -20,15 +20,15 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from transformer_jax import decoding
 from transformer_jax import default_config
 from transformer_jax import family_base
 from transformer_jax import flops
-from transformer_jax import generate
-from transformer_jax import prompt_packing
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax.data import directions
 from transformer_jax.data import pipeline
+from transformer_jax.inference import decoding
+from transformer_jax.inference import generate
+from transformer_jax.inference import prompt_packing
 from transformer_jax.model import attention
 from transformer_jax.model import models
 from transformer_jax.model import schema as model_schema

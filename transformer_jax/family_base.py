@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from transformer_jax import generate
 from transformer_jax import output_loss
 from transformer_jax import parallel
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax.data import pipeline
+from transformer_jax.inference import generate
 from transformer_jax.model import kv_cache
 from transformer_jax.model import lora as lora_lib
 from transformer_jax.model import schema as model_schema

@@ -22,12 +22,12 @@ from transformer_jax import attention_maps as attention_maps_lib
 from transformer_jax import checkpoints
 from transformer_jax import config_validation
 from transformer_jax import families
-from transformer_jax import generate
 from transformer_jax import parallel
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax import workdir as workdir_lib
 from transformer_jax.data import preparation
 from transformer_jax.data import prompt_format
+from transformer_jax.inference import generate
 from transformer_jax.model import lora as lora_lib
 
 

@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax import decoding
-from transformer_jax import generate
 from transformer_jax import tokenizer as tokenizer_lib
+from transformer_jax.inference import decoding
+from transformer_jax.inference import generate
 
 
 @dataclasses.dataclass

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from transformer_jax import decoding
 from transformer_jax import parallel
-from transformer_jax import prompt_packing
 from transformer_jax import tokenizer as tokenizer_lib
+from transformer_jax.inference import decoding
+from transformer_jax.inference import prompt_packing
 
 Array = jax.Array
 
