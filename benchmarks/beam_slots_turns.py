@@ -38,8 +38,8 @@ def main():
   generators = {"shared slots": generate.Generator(family, predictor.layout)}
   generators["shared slots"].output_ids(params, prompts, 1, decoding)  # compiled here
   # The whole-cache side: the callback without `beams`, beam search's default reorder.
-  start_decoding, search = family.start_decoding, generate.search
-  family.start_decoding = (lambda params, inputs, rows, max_len, packing=None, beams=1:
+  start_decoding, search = family.runner.start_decoding, generate.search
+  family.runner.start_decoding = (lambda params, inputs, rows, max_len, packing=None, beams=1:
                            start_decoding(params, inputs, rows, max_len, packing))
   generate.search = lambda *a, reorder_cache=None, expand_beams=None, **kw: search(*a, **kw)
   generators["whole caches"] = generate.Generator(family, predictor.layout)

@@ -86,8 +86,8 @@ def test_reorder_beams_moves_slot_offsets_and_leaves_keys_and_values():
 def _whole_cache_beams(monkeypatch, family):
   """Beam search as before shared slots: the callback without `beams`, every leaf of the cache
   gathered per step."""
-  start_decoding, search = family.start_decoding, generate.search
-  monkeypatch.setattr(family, "start_decoding",
+  start_decoding, search = family.runner.start_decoding, generate.search
+  monkeypatch.setattr(family.runner, "start_decoding",
                       lambda params, inputs, rows, max_len, packing=None, beams=1:
                       start_decoding(params, inputs, rows, max_len, packing))
   monkeypatch.setattr(generate, "search",

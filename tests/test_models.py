@@ -54,7 +54,7 @@ def test_cached_decoding_equals_full_forward(pre_ln):
   # Decode one token at a time, feeding the gold shifted targets.
   decoder_inputs = models.shift_right(targets, config.bos_id)
   encoded = model.apply({"params": params}, inputs, deterministic=True, method=model.encode)
-  cache = _family().init_cache(2, inputs.shape[1], targets.shape[1])
+  cache = _family().runner.init_cache(2, inputs.shape[1], targets.shape[1])
   step = jax.jit(lambda cache, ids: model.apply(
       {"params": params, "cache": cache}, encoded, inputs, ids, deterministic=True, decode=True,
       mutable=["cache"], method=model.decode))  # one compile, not op-by-op for every step
@@ -76,7 +76,7 @@ def test_cached_prefix_fill_then_single_steps():
   full = model.apply({"params": params}, inputs, targets, deterministic=True)
   decoder_inputs = models.shift_right(targets, CONFIG.bos_id)
   encoded = model.apply({"params": params}, inputs, deterministic=True, method=model.encode)
-  cache = _family().init_cache(1, inputs.shape[1], targets.shape[1])
+  cache = _family().runner.init_cache(1, inputs.shape[1], targets.shape[1])
   outputs = []
   for start, stop in [(0, 4), (4, 5), (5, 7)]:  # a 4-token prefix, then 1, then 2 tokens
     logits, variables = model.apply({"params": params, "cache": cache}, encoded, inputs,
@@ -100,8 +100,8 @@ def test_beams_share_their_sources_cross_attention_keys_and_values(score):
   full = model.apply({"params": params}, jnp.repeat(inputs, 3, axis=0), targets,
                      deterministic=True)
   encoded = model.apply({"params": params}, inputs, deterministic=True, method=model.encode)
-  step = family.cached_tokens_to_logits(params, encoded, inputs)
-  cache = decoding.expand_cache(family.init_cache(2, 6, 4), 3)
+  step = family.runner.cached_tokens_to_logits(params, encoded, inputs)
+  cache = decoding.expand_cache(family.runner.init_cache(2, 6, 4), 3)
   decoder_inputs = models.shift_right(targets, config.bos_id)
   for t in range(targets.shape[1]):
     logits, cache = step(decoder_inputs[:, t:t + 1], cache)
@@ -113,10 +113,10 @@ def test_decode_steps_read_cross_attention_keys_and_values_from_the_collection()
   model, params = family.model, _init(CONFIG)[1]
   inputs = jnp.array([[5, 9, 12, 1, 0, 0]])
   encoded = model.apply({"params": params}, inputs, deterministic=True, method=model.encode)
-  encoded_kv = family.encoded_key_value(params, encoded, inputs)
+  encoded_kv = family.runner.encoded_key_value(params, encoded, inputs)
   assert set(encoded_kv["decoder"]["layer_0"]["cross_attention"]) == {"key", "value"}
   step = lambda enc: model.apply(
-      {"params": params, "cache": family.init_cache(1, 6, 2), "encoded_kv": encoded_kv}, enc,
+      {"params": params, "cache": family.runner.init_cache(1, 6, 2), "encoded_kv": encoded_kv}, enc,
       inputs, jnp.array([[CONFIG.bos_id]]), deterministic=True, decode=True,
       mutable=["cache"], method=model.decode)[0]
   # The step does not look at the encoder output again: only at its keys/values.

@@ -192,8 +192,8 @@ def test_encoder_decoder_cached_decoding_equals_full_forward(name):
   full = model.apply({"params": params}, jnp.repeat(inputs, 2, axis=0), targets,
                      deterministic=True)
   encoded = model.apply({"params": params}, inputs, deterministic=True, method=model.encode)
-  step = jax.jit(family.cached_tokens_to_logits(params, encoded, inputs))
-  cache = decoding.expand_cache(family.init_cache(2, 6, 7), 2)
+  step = jax.jit(family.runner.cached_tokens_to_logits(params, encoded, inputs))
+  cache = decoding.expand_cache(family.runner.init_cache(2, 6, 7), 2)
   decoder_inputs = models.shift_right(targets, family.model_config.bos_id)
   valid = np.asarray(targets) > 0
   for t in range(targets.shape[1]):
@@ -224,7 +224,7 @@ def test_decoder_only_padded_prompts_and_copies_decode_like_the_full_forward(nam
   prompts = [[5, 9, 12, 1], [7, 1]]
   continuations = [[[11, 4, 13], [6, 17, 30]], [[20, 21, 22], [3, 5, 7]]]
   inputs = jnp.array([p + [0] * (4 - len(p)) for p in prompts])
-  cache, step, start_id = family.start_decoding(params, inputs, rows=4, max_len=4)
+  cache, step, start_id = family.runner.start_decoding(params, inputs, rows=4, max_len=4)
   cache = decoding.expand_cache(cache, 2)
   step = jax.jit(step)
   feeds = np.array([[start_id] + c for rows in continuations for c in rows])  # [4, 4]
@@ -472,7 +472,7 @@ def test_grouped_parameter_counts_are_exact():
 
 def test_cache_holds_only_the_key_value_heads():
   family = families.from_model_config("encoder_decoder", SMALL.replace(num_kv_heads=2))
-  cache = family.init_cache(3, 6, 9)
+  cache = family.runner.init_cache(3, 6, 9)
   layer = cache["decoder"]["layer_0"]["self_attention"]
   # [b, n, d, len]: the layout the score and value matmuls read (kv_cache.keys_last)
   assert layer["cached_key"].shape == layer["cached_value"].shape == (3, 2, 4, 9)
@@ -480,11 +480,11 @@ def test_cache_holds_only_the_key_value_heads():
   inputs = jnp.array([[5, 9, 12, 1, 0, 0]])
   encoded = family.model.apply({"params": params}, inputs, deterministic=True,
                                method=family.model.encode)
-  encoded_kv = family.encoded_key_value(params, encoded, inputs)
+  encoded_kv = family.runner.encoded_key_value(params, encoded, inputs)
   assert encoded_kv["decoder"]["layer_0"]["cross_attention"]["key"].shape == (1, 2, 4, 6)
   family = families.from_model_config("decoder_only", SMALL.replace(
       **VARIANTS["rope_mqa_swiglu"]))
-  layer = family.init_cache(3, 9)["decoder"]["layer_1"]["self_attention"]
+  layer = family.runner.init_cache(3, 9)["decoder"]["layer_1"]["self_attention"]
   assert layer["cached_key"].shape == (3, 1, 4, 9)
 
 

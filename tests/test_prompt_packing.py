@@ -115,8 +115,8 @@ def test_a_packed_prefill_gives_the_logits_of_an_unpacked_one(architecture, opti
   logits = []
   for packing in (None, (jnp.asarray(places), packed_rows)):
     cache, context, start = jax.jit(
-        lambda p, x, packing=packing: family.prefill(p, x, 16, 6, packing))(params, inputs)
-    step = jax.jit(family.step_logits(params, context))
+        lambda p, x, packing=packing: family.runner.prefill(p, x, 16, 6, packing))(params, inputs)
+    step = jax.jit(family.runner.step_logits(params, context))
     ids, steps = jnp.full((16, 1), start, jnp.int32), []
     for _ in range(3):
       step_logits, cache = step(ids, cache)

@@ -43,7 +43,7 @@ def _one_call(decoder, rows):
       forced_eos=d.forced_eos)
 
   def decode(params, prompts, settings):
-    cache, tokens_to_logits, start_id = family.start_decoding(params, prompts,
+    cache, tokens_to_logits, start_id = family.runner.start_decoding(params, prompts,
                                                               prompts.shape[0], length)
     keys = jax.vmap(lambda seed, prompt, choice: jax.random.fold_in(
         jax.random.fold_in(jax.random.PRNGKey(seed), prompt), choice))(

@@ -125,7 +125,7 @@ def _decode(params, inputs, *, family, decode_len: int, beam_size: int, use_cach
   with the KV cache as predict and evaluation decode, or re-running the decoder."""
   reorder_cache = expand_beams = None
   if use_cache:
-    cache, cached, _ = family.start_decoding(params, inputs, inputs.shape[0] * beam_size,
+    cache, cached, _ = family.runner.start_decoding(params, inputs, inputs.shape[0] * beam_size,
                                              decode_len, beams=beam_size)
     if beam_size > 1:
       reorder_cache, expand_beams = kv_cache.reorder_beams, kv_cache.expand_beams

@@ -23,13 +23,10 @@ import numpy as np
 from transformer_jax import default_config
 from transformer_jax import family_base
 from transformer_jax import flops
-from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax.data import directions
 from transformer_jax.data import pipeline
-from transformer_jax.inference import decoding
 from transformer_jax.inference import generate
-from transformer_jax.inference import prompt_packing
-from transformer_jax.model import attention
+from transformer_jax.inference import runners
 from transformer_jax.model import models
 from transformer_jax.model import schema as model_schema
 
@@ -115,6 +112,7 @@ class EncoderDecoder(family_base.SequenceFamily):
     self.code_after_prompt = bool(directions.pairs(config))
     # mBART-cc25 / NLLB legacy_behaviour: `X </s> [code]`, ended by the tokenizer itself.
     self.code_after_eos = bool(config.get("code_after_eos", False))
+    self.runner = runners.EncoderDecoderRunner(self.model, self.model_config)
 
   def _make_model(self):
     return models.EncoderDecoder(self.model_config)
@@ -186,49 +184,6 @@ class EncoderDecoder(family_base.SequenceFamily):
     return {"inputs": self._ended(source, self.config.max_source_length),
             "targets": self._ended(target, self.config.max_target_length)}
 
-  def init_cache(self, batch_size: int, source_len: int, cache_len: int):
-    """Zeroed decoder KV cache for `batch_size` rows and `cache_len` positions, shaped
-    without running the model."""
-    init = lambda: self.model.init(
-        jax.random.PRNGKey(0), jnp.ones((batch_size, source_len), jnp.int32),
-        jnp.ones((batch_size, cache_len), jnp.int32), deterministic=True, decode=True)
-    return family_base.zeros(jax.eval_shape(init)["cache"])
-
-  def encoded_key_value(self, params, encoded: Array, source: Array):
-    """Every decoder layer's cross-attention keys/values for `encoded` [b, src_len, emb]: the
-    'encoded_kv' collection, computed once per source (by one discarded decoder step)."""
-    model = self.model
-    cache = self.init_cache(source.shape[0], source.shape[1], 1)
-    first = jnp.full((source.shape[0], 1), self.model_config.bos_id, jnp.int32)
-    _, variables = model.apply({"params": params, "cache": cache}, encoded, source, first,
-                               deterministic=True, decode=True, mutable=["cache", "encoded_kv"],
-                               method=model.decode)
-    # The barrier keeps them computed here, in the layout attention.py stores them in: XLA
-    # would otherwise sink the transposes into the decoding loop, a copy of every layer's
-    # keys and values per step.
-    return jax.lax.optimization_barrier(variables["encoded_kv"])
-
-  def cached_tokens_to_logits(self, params, encoded: Array, source: Array):
-    """The decoding callback: next-token logits [n, vocab] from the decoder's KV cache, for
-    n = a multiple of the b source rows (beams or samples of each source, row-major)."""
-    return self.step_logits(params, self._context(params, encoded, source))
-
-  def _context(self, params, encoded: Array, source: Array) -> dict:
-    return {"encoded": encoded, "source": source,
-            "encoded_kv": self.encoded_key_value(params, encoded, source)}
-
-  def step_logits(self, params, context, beams=1):
-    model = self.model
-
-    def tokens_to_logits(ids, cache):
-      logits, variables = model.apply(
-          {"params": params, "cache": cache, "encoded_kv": context["encoded_kv"]},
-          context["encoded"], context["source"], ids, deterministic=True, decode=True,
-          beams=beams, mutable=["cache"], method=model.decode)
-      return logits[:, -1], variables["cache"]
-
-    return tokens_to_logits
-
   def attention_weights(self, params, prompt, output):
     if self.code_after_prompt:
       prompt = np.asarray(prompt)[:-1]
@@ -241,24 +196,6 @@ class EncoderDecoder(family_base.SequenceFamily):
     decoder_inputs = np.asarray(models.shift_right(output[None], self.model_config.bos_id))[0]
     return weights, {"encoder_self": (prompt, prompt), "decoder_self": (output, decoder_inputs),
                      "cross": (output, prompt)}
-
-  def prefill(self, params, inputs, rows, max_len, packing=None):
-    # Beams and samples share their source's encoder output and cross-attention keys/values:
-    # nothing per source is copied per row.
-    model = self.model
-    if packing is None:
-      encoded = model.apply({"params": params}, inputs, deterministic=True,
-                            method=model.encode)
-    else:
-      places, packed_rows = packing
-      tokens, segments, positions = prompt_packing.pack(inputs, places, packed_rows)
-      packed = model.apply({"params": params}, tokens, positions, segments, deterministic=True,
-                           method=model.encode)  # [packed rows, len, emb]
-      encoded = jnp.moveaxis(prompt_packing.unpack(jnp.moveaxis(packed, 1, -1), places,
-                                                   inputs != 0), -1, 1)
-    cache = self.init_cache(inputs.shape[0], inputs.shape[1], max_len)
-    return cache, self._context(params, encoded, inputs), self.model_config.bos_id
-
 
 def split_code(inputs):
   """[b, len] prompts whose last non-pad token is a code -> (the prompts without it, the codes
@@ -284,6 +221,7 @@ class DecoderOnly(family_base.SequenceFamily):
   def __init__(self, config: ml_collections.ConfigDict):
     super().__init__(config)
     self.unshifted = config.get("prompt_format", "task") != "task"
+    self.runner = runners.DecoderOnlyRunner(self.model, self.model_config, self.unshifted)
 
   @staticmethod
   def longest_sequence(config):
@@ -397,80 +335,6 @@ class DecoderOnly(family_base.SequenceFamily):
     inputs = (tokens if self.unshifted else
               np.asarray(models.shift_right(tokens[None], self.model_config.bos_id))[0])
     return weights, {"decoder_self": (tokens, inputs)}
-
-  def init_cache(self, batch_size: int, cache_len: int):
-    init = lambda: self.model.init(jax.random.PRNGKey(0),
-                                   jnp.ones((batch_size, cache_len), jnp.int32),
-                                   deterministic=True, decode=True)
-    return family_base.zeros(jax.eval_shape(init)["cache"])
-
-  def prefill(self, params, inputs, rows, max_len, packing=None):
-    """Fills the KV cache with the right-padded prompts `SOURCE <eos>` [b, P].
-
-    The cache holds `<bos> SOURCE` (the training input up to the EOS), so decoding starts by
-    feeding EOS, whose logits predict the first target token, exactly as in training. Raw and
-    chat prompts are read as they are: the cache holds all but each prompt's last token,
-    which decoding starts from. Padding slots are masked out and each row's positions
-    continue from its own prompt length. With `packing` the prompts fill a cache of packed
-    rows, whose slots are then moved to each prompt's own row.
-    """
-    model = self.model
-    batch_size, prompt_len = inputs.shape
-    if self.unshifted:
-      last = jnp.sum(inputs != 0, axis=1, keepdims=True) - 1  # [b, 1]
-      start = jnp.take_along_axis(inputs, jnp.maximum(last, 0), axis=1)[:, 0]
-      filled = jnp.where(jnp.arange(prompt_len) < last, inputs, 0)
-    else:
-      start = tokenizer_lib.EOS_ID
-      filled = models.shift_right(inputs, self.model_config.bos_id)  # <bos> SOURCE, 0...
-    cache_mask = jnp.concatenate([filled != 0, jnp.ones((batch_size, max_len), bool)], axis=1)
-    cache_mask = cache_mask[:, None, None, :]  # [b, 1, 1, P + max_len]
-    offset = prompt_len - jnp.sum(filled != 0, axis=1)  # [b]: padding slots before decoding
-    if packing is None:
-      cache = self.init_cache(batch_size, prompt_len + max_len)
-      _, variables = model.apply({"params": params, "cache": cache}, filled,
-                                 deterministic=True, decode=True, cache_mask=cache_mask,
-                                 prefix_fill=True, mutable=["cache"])
-      cache = variables["cache"]
-    else:
-      cache = self._packed_fill(params, filled, packing, max_len)
-    if rows != batch_size:  # the callback sees [batch * copies] rows
-      cache_mask = decoding.flat_batch_beam_expand(cache_mask, rows // batch_size)
-      offset = decoding.flat_batch_beam_expand(offset, rows // batch_size)
-    return cache, {"cache_mask": cache_mask, "offset": offset}, start
-
-  def _packed_fill(self, params, filled, packing, max_len):
-    """The cache of `prefill` for prompts `filled` [b, P], filled packed: each packed row's
-    prompts see only themselves, at their own positions; then each prompt's cached slots go to
-    its row, and the slots after them stay empty for decoding."""
-    places, packed_rows = packing
-    tokens, segments, positions = prompt_packing.pack(filled, places, packed_rows)
-    _, variables = self.model.apply(
-        {"params": params, "cache": self.init_cache(packed_rows, filled.shape[1])}, tokens,
-        positions, deterministic=True, decode=True,
-        cache_mask=attention.segment_mask(segments, segments), prefix_fill=True,
-        mutable=["cache"])
-
-    def to_rows(packed):
-      if not packed.ndim:  # the counters of slots filled: prompt_len, as unpacked
-        return packed
-      rows = prompt_packing.unpack(packed, places, filled != 0)  # [b, ..., P]
-      return jnp.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, max_len)])
-
-    return jax.tree.map(to_rows, variables["cache"])
-
-  def step_logits(self, params, context, beams=1):
-    model = self.model
-
-    def tokens_to_logits(ids, cache):
-      logits, new = model.apply({"params": params, "cache": cache}, ids, deterministic=True,
-                                decode=True, cache_mask=context["cache_mask"],
-                                decode_offset=context["offset"], beams=beams,
-                                mutable=["cache"])
-      return logits[:, -1], new["cache"]
-
-    return tokens_to_logits
-
 
 class EncoderClassifier(family_base.Family):
   """Encoder, pooling and a dense head: source -> one of config.model.num_classes labels."""

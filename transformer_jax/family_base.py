@@ -181,8 +181,8 @@ class SequenceFamily(Family):
     max_len = self.max_decode_len(decoding_config, inputs.shape[1])
     rows = inputs.shape[0] * generate.copies(decoding_config, nbest)
     beams = decoding_config.beam_size if decoding_config.method == "beam" else 1
-    cache, tokens_to_logits, start_id = self.start_decoding(params, inputs, rows, max_len,
-                                                            packing, beams)
+    cache, tokens_to_logits, start_id = self.runner.start_decoding(
+        params, inputs, rows, max_len, packing, beams)
     start_id = start_id if row_starts is None else row_starts
     return generate.search(cache, tokens_to_logits, rng, start_id=start_id,
                            batch_size=inputs.shape[0], decoding_config=decoding_config,
@@ -203,33 +203,6 @@ class SequenceFamily(Family):
 
   def split_prompt(self, inputs: Array) -> tuple[Array, Array | None, Array | None]:
     """[b, len] prompts -> (what the model reads, [b] first output tokens to force per row, 0
-    = none; [b] first decoder inputs per row instead of `start_decoding`'s; None: no row
-    forces one, or every row starts from `start_decoding`'s)."""
+    = none; [b] first decoder inputs per row instead of the runner's; None: no row
+    forces one, or every row starts from the runner's)."""
     return inputs, None, None
-
-  def start_decoding(self, params, inputs: Array, rows: int, max_len: int, packing=None,
-                     beams: int = 1):
-    """(cache, tokens_to_logits over `rows` flat rows, first token) for `inputs` [b, len].
-    `beams` > 1: the rows are the hypotheses of a beam search that reorders the cache with
-    kv_cache.reorder_beams (the keys and values stay where they were written)."""
-    cache, context, start_id = self.prefill(params, inputs, rows, max_len, packing)
-    if beams > 1:
-      cache = kv_cache.with_beam_slots(cache, max_len, beams)
-    return cache, self.step_logits(params, context, beams), start_id
-
-  @abc.abstractmethod
-  def prefill(self, params, inputs: Array, rows: int, max_len: int, packing=None):
-    """(cache, context, first token): `start_decoding` with its callback's inputs (encoder
-    output, masks: arrays) returned as `context`, so that a decode split into several compiled
-    calls (a server streaming tokens) can carry them from one call to the next. `packing`:
-    `decode`'s; the prompts are read packed, with the same results per row."""
-
-  @abc.abstractmethod
-  def step_logits(self, params, context, beams: int = 1):
-    """The decoding callback tokens_to_logits(ids [n, 1], cache) of a `prefill` context;
-    `beams`: `start_decoding`'s."""
-
-
-def zeros(abstract_tree):
-  """Zero arrays of the shapes and dtypes of `abstract_tree` (a KV cache's, from eval_shape)."""
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract_tree)

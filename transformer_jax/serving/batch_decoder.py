@@ -109,7 +109,7 @@ class BatchDecoder:
 
     def start(params, prompts, rows):
       del rows  # the settings matter from the first token on
-      cache, context, start_id = family.prefill(params, prompts, prompts.shape[0], length)
+      cache, context, start_id = family.runner.prefill(params, prompts, prompts.shape[0], length)
       state = decoding.start_sampling(cache, batch_size=prompts.shape[0], bos_id=start_id,
                                       max_decode_len=length)
       return state, context
@@ -122,7 +122,7 @@ class BatchDecoder:
           jax.random.fold_in(jax.random.PRNGKey(seed), prompt), choice))(
               rows["seed"], rows["prompt_index"], rows["choice"])
       state = decoding.sample_steps(
-          state, family.step_logits(params, context), keys, steps=steps,
+          state, family.runner.step_logits(params, context), keys, steps=steps,
           eos_id=tokenizer_lib.EOS_ID, end_ids=end_ids, temperature=rows["temperature"],
           top_k=rows["top_k"], top_p=rows["top_p"], row_limits=rows["max_tokens"],
           logits_processor=processor)
