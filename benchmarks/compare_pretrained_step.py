@@ -104,7 +104,7 @@ def jax_runner(args):
     config.update(max_source_length=seq_len, max_target_length=seq_len)
     batch = None  # the runner's random sources and targets
   else:
-    # As run_config.apply sets up a GPT-2 checkpoint: its family, its fields (max_len: its
+    # As pretrained_run.apply sets up a GPT-2 checkpoint: its family, its fields (max_len: its
     # positions). The whole row is the target part: no source, every position weighs 1.
     families.set_family(config, "decoder_only")
     module = gpt2 if hf["model_type"] == "gpt2" else llama

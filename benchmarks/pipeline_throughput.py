@@ -25,8 +25,8 @@ from ml_collections import config_flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from transformer_jax import families  # noqa: E402
+from transformer_jax import run_data  # noqa: E402
 from transformer_jax.data import pipeline  # noqa: E402
-from transformer_jax.data import preparation  # noqa: E402
 
 config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
 flags.DEFINE_string("workdir", None, "Workdir whose tokenizer and token cache are used.")
@@ -40,7 +40,7 @@ FLAGS = flags.FLAGS
 def main(_):
   config = FLAGS.config
   os.makedirs(FLAGS.workdir, exist_ok=True)
-  _, _, encoded = preparation.prepare_data(config, FLAGS.workdir, ("train",))
+  _, _, encoded = run_data.prepare_data(config, FLAGS.workdir, ("train",))
   shards = encoded["train"]
   if FLAGS.row_length:
     for data in shards.held.values():

@@ -54,9 +54,9 @@ def _t5_config(folder: str, data_cache: str, steps: int):
 
 def _t5_family(folders):
   """The LoRA family of the T5 runs, as their workdirs' saved configs give it."""
-  from transformer_jax.pretrained import run_config  # pylint: disable=import-outside-toplevel
+  from transformer_jax import pretrained_run  # pylint: disable=import-outside-toplevel
   config = _t5_config(folders("t5"), "", 20)
-  run_config.apply(config, checkpoint_lib.open_checkpoint(config.pretrained))
+  pretrained_run.apply(config, checkpoint_lib.open_checkpoint(config.pretrained))
   return families.get(config)
 
 
@@ -81,13 +81,13 @@ def _model_inputs(family, count: int = 3, length: int = 9):
     ("llama", {"architecture": "decoder_only"})])
 def test_adapters_start_as_the_base(kind, config_update, folders, data_cache):
   """B = 0 at the start: the adapted model's outputs are the base's, exactly."""
-  from transformer_jax.pretrained import run_config  # pylint: disable=import-outside-toplevel
+  from transformer_jax import pretrained_run  # pylint: disable=import-outside-toplevel
   config = make_tiny_config(data_cache)
   config.update(pretrained=folders(kind), **config_update)
   config.model.num_classes = 3  # the BERT checkpoint's head
   config.lora.update(rank=4, targets="all")
   checkpoint = checkpoint_lib.open_checkpoint(config.pretrained)
-  run_config.apply(config, checkpoint)
+  pretrained_run.apply(config, checkpoint)
   adapted, base = families.get(config), families.get(lora_lib.without(config))
   params = checkpoint_lib.read_params(checkpoint)
   adapters, _ = lora_lib.split(adapted.init_params(jax.random.PRNGKey(1)))

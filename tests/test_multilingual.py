@@ -40,7 +40,7 @@ from transformer_jax.data import pipeline
 from transformer_jax.model import layers
 from transformer_jax.model import models
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
-from transformer_jax.pretrained import run_config
+from transformer_jax.pretrained import run_files
 from transformer_jax.pretrained import tokenizer as tokenizer_lib
 
 torch = pytest.importorskip("torch")
@@ -422,11 +422,11 @@ def test_the_files_a_run_keeps_and_exports_keep_the_language_codes(built, texts,
   en, vi = _short(texts, 10)
   for kind, b in built.items():
     workdir = str(tmp_path / kind)
-    run_config.save_files(b.checkpoint, workdir)
+    run_files.save_files(b.checkpoint, workdir)
     for source, target in (CODES[kind], CODES[kind][::-1]):
       theirs = _hf_tokenizer(b, source, target)
       reloaded = transformers.AutoTokenizer.from_pretrained(
-          str(run_config.files_dir(workdir)), src_lang=source, tgt_lang=target)
+          str(run_files.files_dir(workdir)), src_lang=source, tgt_lang=target)
       assert type(reloaded) is type(theirs)
       assert getattr(reloaded, "legacy_behaviour", None) == getattr(theirs, "legacy_behaviour",
                                                                    None)

@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from tests.conftest import xla_flags
 from transformer_jax import checkpoints
-from transformer_jax import families
 from transformer_jax import commands
+from transformer_jax import families
 from transformer_jax import parallel
 from transformer_jax import predict
 
@@ -93,17 +93,17 @@ import numpy as np
 sys.path.insert(0, {root!r})
 from tests.conftest import make_tiny_config
 from transformer_jax import checkpoint_policy
+from transformer_jax import run_data
 from transformer_jax.data import pipeline
-from transformer_jax.data import preparation
 config = make_tiny_config({cache!r})
 config.update_from_flattened_dict({overrides!r})
 os.makedirs({workdir!r}, exist_ok=True)
-streamed, stream = [], preparation.examples_lib.stream
+streamed, stream = [], run_data.examples_lib.stream
 def recording(config, split, *shard):
   streamed.append([split, *shard])
   return stream(config, split, *shard)
-preparation.examples_lib.stream = recording
-_, _, encoded = preparation.prepare_data(config, {workdir!r}, ("train",))
+run_data.examples_lib.stream = recording
+_, _, encoded = run_data.prepare_data(config, {workdir!r}, ("train",))
 batches = pipeline.TrainBatches(encoded["train"], 16, config.seed, pack=True,
                                 process_index=jax.process_index(),
                                 process_count=jax.process_count())

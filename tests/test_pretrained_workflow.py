@@ -67,7 +67,7 @@ def test_fine_tune_evaluate_and_export(t5_folder, tmp_path, data_cache):
   from transformer_jax.model import models  # pylint: disable=import-outside-toplevel
   from transformer_jax import train  # pylint: disable=import-outside-toplevel
   from transformer_jax.predict import Predictor  # pylint: disable=import-outside-toplevel
-  from transformer_jax.pretrained import run_config  # pylint: disable=import-outside-toplevel
+  from transformer_jax.pretrained import run_files  # pylint: disable=import-outside-toplevel
   config = make_tiny_config(data_cache)
   config.pretrained = t5_folder
   config.num_train_steps, config.eval_every_steps, config.learning_rate = 20, 20, 3e-3
@@ -89,7 +89,7 @@ def test_fine_tune_evaluate_and_export(t5_folder, tmp_path, data_cache):
   assert result.returncode == 0, result.stderr[-3000:]
   assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(output))
   params = predictor.layout.checkpoint_state(predictor.device_params)
-  vocab = run_config.saved_vocab(workdir)
+  vocab = run_files.saved_vocab(workdir)
   rng = np.random.default_rng(0)
   inputs, targets = rng.integers(3, 300, (2, 12)), rng.integers(3, 300, (2, 9))
   inputs[1, 7:], targets[0, 5:] = 0, 0

@@ -18,12 +18,12 @@ from transformer_jax import default_config
 from transformer_jax import families
 from transformer_jax import metrics
 from transformer_jax import predict
+from transformer_jax import run_data
 from transformer_jax import tasks
 from transformer_jax import train
 from transformer_jax import workdir as workdir_lib
 from transformer_jax.data import hf_source
 from transformer_jax.data import pipeline
-from transformer_jax.data import preparation
 from transformer_jax.model import models
 
 SHARED = os.path.join(ROOT, "..", "shared", "data")
@@ -332,16 +332,16 @@ def test_tokenizer_is_trained_once_or_taken_from_a_given_model(tmp_path):
 
   write_corpus(("the cat", "die Katze"))
   os.makedirs(tmp_path / "a")
-  trained = preparation.load_tokenizer(config, str(tmp_path / "a"))
+  trained = run_data.load_tokenizer(config, str(tmp_path / "a"))
   assert trained.encode("the cat") != trained.encode("xyz qqq")
   # Reused as saved, whatever the data is now (a resumed run, predict).
   write_corpus(("x", "y"))
-  again = preparation.load_tokenizer(config, str(tmp_path / "a"))
+  again = run_data.load_tokenizer(config, str(tmp_path / "a"))
   assert again.model_proto == trained.model_proto
   # A given .model is copied into a new workdir instead of training one.
   os.makedirs(tmp_path / "b")
   config.tokenizer.path = str(tmp_path / "a" / workdir_lib.TOKENIZER_FILE)
-  given = preparation.load_tokenizer(config, str(tmp_path / "b"))
+  given = run_data.load_tokenizer(config, str(tmp_path / "b"))
   assert given.model_proto == trained.model_proto
   assert tokenizer_lib.Tokenizer.load(str(tmp_path / "b" / workdir_lib.TOKENIZER_FILE)
                                       ).model_proto == trained.model_proto
@@ -370,7 +370,7 @@ def test_multitask_mixture_trains_and_scores_each_part(tmp_path):
   config.decoding.update(method="greedy", max_decode_len=6)
   config.model.update(TINY, vocab_size=60)
   os.makedirs(tmp_path / "run")
-  examples, _, encoded = preparation.prepare_data(config, str(tmp_path / "run"), ("train", "test"))
+  examples, _, encoded = run_data.prepare_data(config, str(tmp_path / "run"), ("train", "test"))
   assert len(encoded["train"]) == 30 + 20 and len(examples["test"]) == 5 + 6
   assert {e["target"] for e in examples["test"] if e["task"] == "sentiment"} <= {"bad", "good"}
   assert examples["test"][0]["source"].startswith(("sentiment: ", "translate: "))

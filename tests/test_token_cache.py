@@ -5,9 +5,9 @@ import os
 import numpy as np
 import pytest
 
+from transformer_jax import run_data
 from transformer_jax import workdir as workdir_lib
 from transformer_jax.data import pipeline
-from transformer_jax.data import preparation
 from transformer_jax.data import token_cache
 
 
@@ -65,7 +65,7 @@ def read_splits(monkeypatch):
   """The splits whose texts prepare_data reads, in order: listed (load_examples) or streamed
   (examples.stream: the training split, for the tokenizer's sample and for encoding)."""
   calls = []
-  load, stream = preparation.examples_lib.load_examples, preparation.examples_lib.stream
+  load, stream = run_data.examples_lib.load_examples, run_data.examples_lib.stream
 
   def recording_load(config, splits):
     calls.extend(splits)
@@ -75,8 +75,8 @@ def read_splits(monkeypatch):
     calls.append(split)
     return stream(config, split, *shard)
 
-  monkeypatch.setattr(preparation.examples_lib, "load_examples", recording_load)
-  monkeypatch.setattr(preparation.examples_lib, "stream", recording_stream)
+  monkeypatch.setattr(run_data.examples_lib, "load_examples", recording_load)
+  monkeypatch.setattr(run_data.examples_lib, "stream", recording_stream)
   return calls
 
 
@@ -95,13 +95,13 @@ def _same(a: pipeline.Encoded, b: pipeline.Encoded):
 
 def test_second_start_reads_the_cache_not_the_corpus(tmp_path, local_config, read_splits):
   workdir = _workdir(tmp_path)
-  examples, _, first = preparation.prepare_data(local_config, workdir, ("train", "validation"))
+  examples, _, first = run_data.prepare_data(local_config, workdir, ("train", "validation"))
   assert len(first["train"]) == len(PAIRS) and list(examples) == ["validation"]
   (entry,) = _entries(workdir)
   assert entry.startswith("train-")
   # Read: the training texts for the tokenizer and to encode them, the validation texts.
   assert read_splits == ["train", "validation", "train"]
-  _, _, again = preparation.prepare_data(local_config, workdir, ("train", "validation"))
+  _, _, again = run_data.prepare_data(local_config, workdir, ("train", "validation"))
   assert read_splits[3:] == ["validation"]  # no training texts read
   assert isinstance(again["train"].held[0].features["inputs"].values, np.memmap)
   _same(first["train"].held[0], again["train"].held[0])
@@ -111,14 +111,14 @@ def test_second_start_reads_the_cache_not_the_corpus(tmp_path, local_config, rea
 @pytest.mark.parametrize("change", ["data file", "config"])
 def test_a_changed_corpus_or_setting_is_a_miss(tmp_path, local_config, change, read_splits):
   workdir = _workdir(tmp_path)
-  _, _, first = preparation.prepare_data(local_config, workdir, ("train",))
+  _, _, first = run_data.prepare_data(local_config, workdir, ("train",))
   if change == "data file":
     _corpus(local_config.data_dir, PAIRS[:-1])  # one pair fewer (a new size and mtime)
     expected = len(PAIRS) - 1
   else:
     local_config.max_source_length = 6  # other truncation, other arrays
     expected = len(PAIRS)
-  _, _, second = preparation.prepare_data(local_config, workdir, ("train",))
+  _, _, second = run_data.prepare_data(local_config, workdir, ("train",))
   assert read_splits[-1] == "train" and len(second["train"]) == expected
   assert len(_entries(workdir)) == 2  # a new entry beside the old one
   assert not np.array_equal(first["train"].held[0].features["inputs"].offsets,
@@ -128,7 +128,7 @@ def test_a_changed_corpus_or_setting_is_a_miss(tmp_path, local_config, change, r
 @pytest.mark.parametrize("damage", ["truncated array", "flipped byte", "no manifest"])
 def test_a_damaged_entry_is_rebuilt(tmp_path, local_config, damage, read_splits):
   workdir = _workdir(tmp_path)
-  _, _, first = preparation.prepare_data(local_config, workdir, ("train",))
+  _, _, first = run_data.prepare_data(local_config, workdir, ("train",))
   first = _in_memory(first["train"].held[0])
   (entry,) = _entries(workdir)
   folder = os.path.join(workdir, "token_cache", entry)
@@ -144,7 +144,7 @@ def test_a_damaged_entry_is_rebuilt(tmp_path, local_config, damage, read_splits)
       f.write(bytes([byte[0] ^ 0xFF]))
   else:
     os.remove(os.path.join(folder, token_cache.MANIFEST))
-  _, _, rebuilt = preparation.prepare_data(local_config, workdir, ("train",))
+  _, _, rebuilt = run_data.prepare_data(local_config, workdir, ("train",))
   assert read_splits == ["train", "train", "train"]  # tokenizer, encoded, encoded again
   _same(first, rebuilt["train"].held[0])
   assert token_cache.load(workdir_lib.path(folder)) is not None  # and cached again
@@ -152,9 +152,9 @@ def test_a_damaged_entry_is_rebuilt(tmp_path, local_config, damage, read_splits)
 
 def test_shards_are_encoded_and_cached_apart(tmp_path, local_config):
   workdir = _workdir(tmp_path)
-  _, _, whole = preparation.prepare_data(local_config, workdir, ("train",))
+  _, _, whole = run_data.prepare_data(local_config, workdir, ("train",))
   local_config.data_shards = 3
-  _, _, sharded = preparation.prepare_data(local_config, workdir, ("train",))
+  _, _, sharded = run_data.prepare_data(local_config, workdir, ("train",))
   assert sharded["train"].count == 3 and sorted(sharded["train"].held) == [0, 1, 2]
   assert len(_entries(workdir)) == 4
   whole_entry, *shard_entries = _entries(workdir)
@@ -165,6 +165,6 @@ def test_shards_are_encoded_and_cached_apart(tmp_path, local_config):
 
 def test_the_training_split_can_be_read_whole_to_be_scored(tmp_path, local_config):
   workdir = _workdir(tmp_path)
-  examples, _, encoded = preparation.prepare_data(local_config, workdir, ("train",), training=False)
+  examples, _, encoded = run_data.prepare_data(local_config, workdir, ("train",), training=False)
   assert len(examples["train"]) == len(encoded["train"]) == len(PAIRS)
   assert isinstance(encoded["train"], pipeline.Encoded) and not _entries(workdir)

@@ -17,10 +17,10 @@ from transformer_jax import attention_maps
 from transformer_jax import evaluation
 from transformer_jax import metrics
 from transformer_jax import predict
+from transformer_jax import run_data
 from transformer_jax import summary_writer
 from transformer_jax import tasks
 from transformer_jax import workdir as workdir_lib
-from transformer_jax.data import preparation
 
 
 def decoding_tag(decoding_config: ml_collections.ConfigDict, average_last: int = 1) -> str:
@@ -60,7 +60,7 @@ def run_evaluate(workdir: str | None, step: int | str | None = None, split: str 
                      f"({', '.join(config.splits)}).")
   if predictor is None:
     predictor = predict.Predictor.from_workdir(workdir, step, average_last, config)
-  examples, _, encoded = preparation.prepare_data(config, workdir, (split,), training=False,
+  examples, _, encoded = run_data.prepare_data(config, workdir, (split,), training=False,
                                                   tokenizer=predictor.tokenizer)
   evaluator = evaluation.Evaluator(config, predictor.family, predictor.tokenizer,
                                    predictor.layout)

@@ -187,8 +187,8 @@ def _check_pretrained_overrides(config) -> None:
   """Training from config.pretrained: command-line keys that contradict the checkpoint are
   refused before anything is read or written."""
   from transformer_jax import config_validation  # pylint: disable=g-import-not-at-top
-  from transformer_jax.pretrained import run_config  # pylint: disable=g-import-not-at-top
-  refused = run_config.refused_overrides(run_config.run_checkpoint(config, flags.FLAGS.workdir),
+  from transformer_jax import pretrained_run  # pylint: disable=g-import-not-at-top
+  refused = pretrained_run.refused_overrides(pretrained_run.run_checkpoint(config, flags.FLAGS.workdir),
                                          config, _given_config_keys())
   if refused:
     raise config_validation.ConfigError(

@@ -25,10 +25,10 @@ from transformer_jax import families
 from transformer_jax import parallel
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax import workdir as workdir_lib
-from transformer_jax.data import preparation
 from transformer_jax.data import prompt_format
 from transformer_jax.inference import generate
 from transformer_jax.model import lora as lora_lib
+from transformer_jax.pretrained import run_files
 
 
 class Predictor:
@@ -60,11 +60,11 @@ class Predictor:
     settings), tokenizer and checkpoint (the newest good one unless `step`: a step, or
     'best' for the best evaluation's)."""
     config = config or workdir_lib.load_config(workdir)
-    tokenizer = preparation.workdir_tokenizer(config, workdir)
+    tokenizer = run_files.workdir_tokenizer(config, workdir)
     if config.get("pretrained"):
-      from transformer_jax.pretrained import run_config  # pylint: disable=g-import-not-at-top
+      from transformer_jax import pretrained_run  # pylint: disable=g-import-not-at-top
       # The target code of this call's config.target_lang, not of the training run's.
-      run_config.apply_target_code(config, tokenizer)
+      pretrained_run.apply_target_code(config, tokenizer)
     layout = parallel.make_layout(config, fit_devices=True)
     family = families.get(config)
     if family.model_config.lora:  # served merged: decoding pays nothing for the adapters
@@ -91,7 +91,7 @@ class Predictor:
     made for this checkpoint, merged into its weights at load."""
     from transformer_jax import default_config  # pylint: disable=g-import-not-at-top
     from transformer_jax.pretrained import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
-    from transformer_jax.pretrained import run_config  # pylint: disable=g-import-not-at-top
+    from transformer_jax import pretrained_run  # pylint: disable=g-import-not-at-top
     checkpoint = checkpoint_lib.open_checkpoint(name_or_path)
     defaults = default_config.get_config()
     config = ml_collections.ConfigDict((config or defaults).to_dict())
@@ -104,11 +104,11 @@ class Predictor:
                     if defaults.decoding.get(k) != v]
       given_keys += ["prompt_format"] * (config.get("prompt_format", "task") != "task")
     config.pretrained = name_or_path
-    run_config.apply(config, checkpoint, serving=True, given_keys=set(given_keys))
+    pretrained_run.apply(config, checkpoint, serving=True, given_keys=set(given_keys))
     if default_lengths:
-      run_config.serving_lengths(config)  # after `apply`: the checkpoint's family decides
+      pretrained_run.serving_lengths(config)  # after `apply`: the checkpoint's family decides
     config_validation.validate(config)
-    tokenizer = run_config.tokenizer(checkpoint.folder, checkpoint.vocab, config)
+    tokenizer = run_files.tokenizer(checkpoint.folder, checkpoint.vocab, config)
     boxed = jax.eval_shape(functools.partial(families.get(config).init_params, boxed=True),
                            jax.random.PRNGKey(0))
     # A bfloat16 checkpoint served with config.model.dtype='bfloat16' is held in bfloat16.

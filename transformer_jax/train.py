@@ -26,12 +26,12 @@ from transformer_jax import metrics
 from transformer_jax import optimizer
 from transformer_jax import parallel
 from transformer_jax import preemption
+from transformer_jax import run_data
 from transformer_jax import run_lock
 from transformer_jax import run_record
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax import workdir as workdir_lib
 from transformer_jax.data import pipeline
-from transformer_jax.data import preparation
 from transformer_jax.data import sources
 from transformer_jax.model import lora as lora_lib
 
@@ -167,9 +167,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   weights start the run (unless the workdir already holds a checkpoint to resume from).
   """
   if config.pretrained:
-    from transformer_jax.pretrained import run_config  # pylint: disable=g-import-not-at-top
-    checkpoint = run_config.run_checkpoint(config, workdir)
-    run_config.apply(config, checkpoint)
+    from transformer_jax import pretrained_run  # pylint: disable=g-import-not-at-top
+    checkpoint = pretrained_run.run_checkpoint(config, workdir)
+    pretrained_run.apply(config, checkpoint)
     if config.lora.init:  # the adapter's rank, alpha and targets
       from transformer_jax.pretrained import peft  # pylint: disable=g-import-not-at-top
       config.lora.update(peft.settings(config.lora.init, checkpoint))
@@ -274,7 +274,7 @@ def _data(config: ml_collections.ConfigDict, workdir: str, family: families.Fami
                                            pipeline.Encoded, list[dict]]:
   """(The workdir's tokenizer, this process's training batches, the eval split's features,
   its examples)."""
-  examples, tokenizer, encoded = preparation.prepare_data(config, workdir,
+  examples, tokenizer, encoded = run_data.prepare_data(config, workdir,
                                                           ("train", config.eval_split))
   if not len(encoded["train"]):
     raise ValueError(f"The training split of config.dataset={config.dataset!r} is empty; check "

@@ -10,13 +10,15 @@
   languages.py   multilingual checkpoints' language codes (NLLB, M2M100, mBART-50, cc25)
   bert.py        BERT / RoBERTa / XLM-R classifiers (the same, plus the classification head)
   gpt2.py        GPT-2 as the decoder-only family
-  llama.py       Llama 2 / 3, SmolLM2, Mistral, Qwen2 / 2.5 as the decoder-only family
+  llama.py       Llama 2 / 3, SmolLM2, Mistral, Qwen2 / 2.5 / 3 as the decoder-only family
+  gemma.py       Gemma 1 / 2 / 3 as the decoder-only family
   mapping.py     weight-name tables and their conversions, both directions; HF activations
   vocab.py       the checkpoint's ids renumbered to this project's pad 0 / eos 1 (a pad added
                  where the checkpoint has none: GPT-2)
   tokenizer.py   the checkpoint's own tokenizer behind this project's tokenizer interface
   generation.py  generation_config.json -> config.decoding settings
-  run_config.py  a run's config around a checkpoint; the checkpoint files a workdir keeps
+  run_files.py   the files a workdir keeps for its run: its tokenizer, a checkpoint's configs
+                 (a run's config around a checkpoint is ../pretrained_run.py, above this package)
   export.py      a fine-tuned workdir -> a Hugging Face folder
   peft.py        LoRA adapters in and out in PEFT's format (adapter_config.json + safetensors)
 """

@@ -13,19 +13,19 @@ from transformer_jax.model import schema as model_schema
 from transformer_jax.pretrained import architecture
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
 from transformer_jax.pretrained import mapping
-from transformer_jax.pretrained import run_config
+from transformer_jax.pretrained import run_files
 
 
 def export(params, model_config: model_schema.TransformerConfig, workdir: str, output: str,
            label_names: Sequence[str] = ()) -> list[str]:
   """Writes the HF folder `output` for `params` of a workdir trained from a checkpoint (a
   classifier's `label_names` in class order); returns the names written."""
-  files = run_config.files_dir(workdir)
-  if not run_config.saved(workdir):
+  files = run_files.files_dir(workdir)
+  if not run_files.saved(workdir):
     raise ValueError(f"{workdir} was not trained from a pretrained checkpoint (no "
-                     f"{run_config.FILES_DIR}/config.json): only those export to Hugging Face.")
+                     f"{run_files.FILES_DIR}/config.json): only those export to Hugging Face.")
   from safetensors.numpy import save  # pylint: disable=g-import-not-at-top
-  hf_config = run_config.saved_json(workdir)
+  hf_config = run_files.saved_json(workdir)
   module = architecture.ARCHITECTURES[hf_config["model_type"]]
   vocab = checkpoint_lib.vocab_map(hf_config)
   fields = model_schema.as_dict(model_config)

@@ -95,10 +95,10 @@ def write_adapter(trained: dict, model_config: model_schema.TransformerConfig, f
                   workdir: str, output: str, base_name: str, dropout: float) -> list[str]:
   """Writes the PEFT adapter folder `output` for the `trained` parameters (adapters and a
   classifier's head) of a LoRA workdir trained from `base_name`; returns the names written."""
-  from transformer_jax.pretrained import run_config  # pylint: disable=g-import-not-at-top
+  from transformer_jax.pretrained import run_files  # pylint: disable=g-import-not-at-top
   from safetensors.numpy import save  # pylint: disable=g-import-not-at-top
   lora = model_config.lora
-  hf_config = run_config.saved_json(workdir)
+  hf_config = run_files.saved_json(workdir)
   module = architecture.ARCHITECTURES[hf_config["model_type"]]
   fields = model_schema.as_dict(model_config)
   table = module.weight_table(hf_config, fields)

@@ -2,8 +2,8 @@
 
 `load_tokenizer` is the one place that decides which tokenizer a workdir uses; `prepare_data`
 turns a config's splits into its token features (the training split sharded and cached, see
-token_cache.py). Nothing here trains a model, so the inference commands use it without
-importing train.py.
+token_cache.py). Nothing here trains a model, so evaluate uses it without importing
+train.py; predict and serve need only the workdir's tokenizer (pretrained/run_files.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from transformer_jax.data import features
 from transformer_jax.data import pipeline
 from transformer_jax.data import sources
 from transformer_jax.data import token_cache
+from transformer_jax.pretrained import run_files
 
 
 def load_tokenizer(config: ml_collections.ConfigDict, workdir: str) -> tokenizer_lib.Tokenizer:
@@ -31,25 +32,15 @@ def load_tokenizer(config: ml_collections.ConfigDict, workdir: str) -> tokenizer
   the others wait and load it, so every process of a multi-host run uses the same one."""
   if config.pretrained:
     from transformer_jax.pretrained import checkpoint  # pylint: disable=g-import-not-at-top
-    from transformer_jax.pretrained import run_config  # pylint: disable=g-import-not-at-top
-    if jax.process_index() == 0 and not run_config.saved(workdir):
-      run_config.save_files(checkpoint.open_checkpoint(config.pretrained), workdir)
+    if jax.process_index() == 0 and not run_files.saved(workdir):
+      run_files.save_files(checkpoint.open_checkpoint(config.pretrained), workdir)
   else:
     path = workdir_lib.tokenizer_path(workdir)
     if jax.process_index() == 0 and not path.exists():
       _new_tokenizer(config).save(path)
   if jax.process_count() > 1:  # every process passes here, whether or not it was made now
     multihost_utils.sync_global_devices("tokenizer saved")
-  return workdir_tokenizer(config, workdir)
-
-
-def workdir_tokenizer(config: ml_collections.ConfigDict, workdir: str):
-  """The tokenizer a trained workdir holds (a SentencePiece model, or a pretrained
-  checkpoint's tokenizer files)."""
-  if config.get("pretrained"):
-    from transformer_jax.pretrained import run_config  # pylint: disable=g-import-not-at-top
-    return run_config.saved_tokenizer(workdir, config)
-  return tokenizer_lib.Tokenizer.load(workdir_lib.tokenizer_path(workdir))
+  return run_files.workdir_tokenizer(config, workdir)
 
 
 def _new_tokenizer(config: ml_collections.ConfigDict) -> tokenizer_lib.Tokenizer:

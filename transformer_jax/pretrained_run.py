@@ -1,10 +1,9 @@
-"""A run's config around a pretrained checkpoint, and the checkpoint files a workdir keeps.
+"""A run's config around a pretrained checkpoint (train, predict and serve call it).
 
 The checkpoint fixes the architecture (`config.model` sizes, norms, positions, vocabulary) and
 its tokenizer; the experiment config keeps what fine-tuning chooses: dropout, dtype, remat,
-the attention implementation, lengths, the task and its data. A workdir trained from a
-checkpoint keeps the checkpoint's config.json, generation_config.json and tokenizer files in
-WORKDIR/pretrained/, so evaluate, predict and export need only the workdir.
+the attention implementation, lengths, the task and its data. The checkpoint files a workdir
+keeps are pretrained/run_files.py's.
 """
 
 from __future__ import annotations
@@ -21,11 +20,9 @@ from transformer_jax.data import directions as directions_lib
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
 from transformer_jax.pretrained import generation
 from transformer_jax.pretrained import languages as languages_lib
+from transformer_jax.pretrained import run_files
 from transformer_jax.pretrained import tokenizer as tokenizer_lib
-from transformer_jax.pretrained import vocab as vocab_lib
 
-FILES_DIR = "pretrained"  # in a workdir
-# config.model keys a fine-tuning run may set (everything else comes from the checkpoint).
 TUNABLE_MODEL_KEYS = ("dropout_rate", "attention_dropout_rate", "activation_dropout_rate",
                       "dtype", "remat", "remat_policy", "attention_implementation", "max_len")
 # config.decoding keys that keep a checkpoint's generation valid (banned pad, forced tokens):
@@ -33,10 +30,6 @@ TUNABLE_MODEL_KEYS = ("dropout_rate", "attention_dropout_rate", "activation_drop
 # (banned ids: added to the config's); the search itself (method, beams, lengths) is taken
 # only when serving the checkpoint as it is.
 _TOKEN_DECODING_KEYS = ("forced_bos_id", "forced_eos", "banned_ids", "end_ids")
-
-
-def files_dir(workdir: str):
-  return workdir_lib.path(workdir) / FILES_DIR
 
 
 def refused_overrides(checkpoint: checkpoint_lib.Checkpoint, config: ml_collections.ConfigDict,
@@ -58,12 +51,12 @@ def run_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> checkpoin
   """The checkpoint a run starts from: described from the workdir's own copy of its config
   once the run has saved one (so a resumed run needs neither the original folder nor the
   network), else opened from `config.pretrained`."""
-  files = files_dir(workdir)
-  if saved(workdir) and (workdir_lib.path(workdir) / workdir_lib.CONFIG_FILE).exists():
+  files = run_files.files_dir(workdir)
+  if run_files.saved(workdir) and (workdir_lib.path(workdir) / workdir_lib.CONFIG_FILE).exists():
     generation = files / "generation_config.json"
     tied = workdir_lib.load_config(workdir).model.tie_output
     return checkpoint_lib.describe(
-        os.fspath(files), saved_json(workdir),
+        os.fspath(files), run_files.saved_json(workdir),
         json.loads(generation.read_text()) if generation.exists() else {}, tied=tied)
   return checkpoint_lib.open_checkpoint(config.pretrained)
 
@@ -202,59 +195,3 @@ def serving_lengths(config: ml_collections.ConfigDict) -> None:
     config.max_source_length = config.max_target_length = min(length, 512)
 
 
-def save_files(checkpoint: checkpoint_lib.Checkpoint, workdir: str) -> None:
-  """Copies the checkpoint's config (as read: with what `complete_config` added), generation
-  config and tokenizer files into the workdir (not the weights: the workdir's own checkpoints
-  hold those). config.json goes last: its presence marks the copy complete (`saved`)."""
-  target = files_dir(workdir)
-  target.mkdir(parents=True, exist_ok=True)
-  tokenizer(checkpoint.folder, checkpoint.vocab).save(target)
-  source = os.path.join(checkpoint.folder, "generation_config.json")
-  if os.path.exists(source):
-    with open(source, "rb") as f:
-      workdir_lib.write_atomic(target / "generation_config.json", f.read())
-  workdir_lib.write_atomic(target / "config.json",
-                           json.dumps(checkpoint.hf_config, indent=2).encode())
-
-
-def saved(workdir: str) -> bool:
-  """Whether the workdir holds a complete copy of its checkpoint's files."""
-  return (files_dir(workdir) / "config.json").exists()
-
-
-def tokenizer(folder, vocab: vocab_lib.VocabMap,
-              config: ml_collections.ConfigDict | None = None
-              ) -> tokenizer_lib.PretrainedTokenizer:
-  """The checkpoint's tokenizer, tagging texts with `config`'s source_lang / target_lang
-  where it has language codes; refused where it ends sequences with something other than
-  EOS or, as mBART-cc25 and NLLB's legacy_behaviour do, EOS and a language code."""
-  loaded = tokenizer_lib.PretrainedTokenizer(folder, vocab)
-  # A many-direction run without target_lang tags each example with its own (data/features.py).
-  if (config is not None and loaded.languages is not None
-      and (config.get("target_lang") or not directions_lib.pairs(config))):
-    try:
-      loaded.set_languages(config.get("source_lang", ""), config.get("target_lang", ""))
-    except ValueError as e:
-      raise checkpoint_lib.PretrainedError(str(e)) from None
-  # A multilingual tokenizer ends as its kind says (`X </s>`, or `X </s> [code]`), and may
-  # not end a target at all before it is given a target language (M2M100's tgt_lang=None).
-  if loaded.languages is None and not loaded.ends_with_eos:
-    raise checkpoint_lib.PretrainedError(
-        f"The tokenizer of {folder} does not end sequences with its EOS token; such "
-        "tokenizers are not supported.")
-  return loaded
-
-
-def saved_json(workdir: str) -> dict:
-  """The checkpoint's config.json as the workdir keeps it."""
-  return json.loads((files_dir(workdir) / "config.json").read_text())
-
-
-def saved_vocab(workdir: str) -> vocab_lib.VocabMap:
-  """The renumbering of a workdir trained from a checkpoint."""
-  return checkpoint_lib.vocab_map(saved_json(workdir))
-
-
-def saved_tokenizer(workdir: str, config: ml_collections.ConfigDict | None = None
-                    ) -> tokenizer_lib.PretrainedTokenizer:
-  return tokenizer(files_dir(workdir), saved_vocab(workdir), config)
