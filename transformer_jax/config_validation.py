@@ -26,7 +26,7 @@ from transformer_jax.model import lora as lora_lib
 
 CHOICES = {
     "task": ("translation", "summarization", "classification", "multitask"),
-    "architecture": ("encoder_decoder", "decoder_only"),
+    "architecture": families.ARCHITECTURES,
     "prompt_format": prompt_format.FORMATS,
     "dataset": ("demo", "local", "tfds", "huggingface"),
     "local.format": ("parallel", "jsonl", "tsv", "label_lines", "label_files"),
@@ -201,11 +201,11 @@ def _model_problems(config: ml_collections.ConfigDict) -> list[str]:
   if m.logits_bias and not m.tie_output:
     found.append("config.model.logits_bias=True is for the tied output layer; an untied one "
                  "(tie_output=False) has its own bias with use_bias=True")
-  if m.position_embedding == "relative" and families.name(config) == "decoder_only":
+  if m.position_embedding == "relative" and families.name(config) == families.DECODER_ONLY:
     found.append("config.model.position_embedding='relative' is for encoders and "
                  "encoder-decoders; a decoder_only model takes 'sinusoidal', 'learned' or "
                  "'rope'")
-  if m.get("prefix_lm") and families.name(config) != "decoder_only":
+  if m.get("prefix_lm") and families.name(config) != families.DECODER_ONLY:
     found.append("config.model.prefix_lm=True is for config.architecture='decoder_only' (an "
                  "encoder already reads the source both ways)")
   if config.get("fused_loss") and not config.get("logits_chunk_length"):
@@ -277,7 +277,7 @@ def _data_problems(config: ml_collections.ConfigDict) -> list[str]:
                  f"({', '.join(config.splits)})")
   if config.dataset == "local" and not config.data_dir and config.task != "multitask":
     found.append("config.dataset='local' needs config.data_dir: pass --config.data_dir=FOLDER of the corpus")
-  if config.prompt_format != "task" and families.name(config) != "decoder_only":
+  if config.prompt_format != "task" and families.name(config) != families.DECODER_ONLY:
     found.append(f"config.prompt_format={config.prompt_format!r} is for decoder-only models "
                  "(config.architecture='decoder_only'); use 'task'")
   if prompt_format.SOURCE_FIELD not in config.prompt_template:
@@ -316,7 +316,7 @@ def _direction_problems(config: ml_collections.ConfigDict) -> list[str]:
   except ValueError as e:
     return [str(e).rstrip(".")]
   if many and (config.task != "translation" or not config.get("pretrained")
-               or families.name(config) != "encoder_decoder"):
+               or families.name(config) != families.ENCODER_DECODER):
     return ["config.directions translates with a multilingual encoder-decoder checkpoint: "
             "set config.task='translation' and config.pretrained (NLLB-200, M2M100, mBART-50)"]
   return []

@@ -33,16 +33,18 @@ from transformer_jax.model import schema as model_schema
 Array = jax.Array
 Family = family_base.Family  # what every family offers (family_base.py)
 NAMES = ("encoder_decoder", "decoder_only", "encoder_classifier")
+ENCODER_DECODER, DECODER_ONLY, ENCODER_CLASSIFIER = NAMES
+ARCHITECTURES = NAMES[:2]  # what config.architecture names (a classifier: config.task's)
 
 
 def name(config: ml_collections.ConfigDict) -> str:
   """The family a config trains: classification uses the encoder classifier, the other tasks
   `config.architecture`."""
   if config.task == "classification":
-    return "encoder_classifier"
-  if config.architecture not in NAMES[:2]:
+    return ENCODER_CLASSIFIER
+  if config.architecture not in ARCHITECTURES:
     raise ValueError(f"Unknown config.architecture={config.architecture!r}; use one of "
-                     f"{NAMES[:2]}.")
+                     f"{ARCHITECTURES}.")
   return config.architecture
 
 
@@ -82,10 +84,10 @@ def set_family(config: ml_collections.ConfigDict, family_name: str) -> None:
 
 
 # For messages: the configs that train each family.
-CONFIGS_OF = {"encoder_decoder": "a translation, summarization or multitask config",
-              "decoder_only": "a translation or summarization config with "
+CONFIGS_OF = {ENCODER_DECODER: "a translation, summarization or multitask config",
+              DECODER_ONLY: "a translation or summarization config with "
                               "config.architecture='decoder_only'",
-              "encoder_classifier": "a classification config (config.task='classification')"}
+              ENCODER_CLASSIFIER: "a classification config (config.task='classification')"}
 
 
 def from_model_config(family_name: str, model_config: model_schema.TransformerConfig,
@@ -101,7 +103,7 @@ def from_model_config(family_name: str, model_config: model_schema.TransformerCo
 
 class EncoderDecoder(family_base.SequenceFamily):
   """The paper's Transformer: the encoder reads the source, the decoder writes the target."""
-  name = "encoder_decoder"
+  name = ENCODER_DECODER
   num_model_inputs = 2  # inputs, targets
 
   def __init__(self, config: ml_collections.ConfigDict):
@@ -215,7 +217,7 @@ class DecoderOnly(family_base.SequenceFamily):
   prompt's ids as a pretrained tokenizer makes them, then the target's: the model reads them
   as they are, not shifted right behind a start token, and decoding continues the prompt
   from its last token."""
-  name = "decoder_only"
+  name = DECODER_ONLY
   continues_prompt = True
 
   def __init__(self, config: ml_collections.ConfigDict):
@@ -338,7 +340,7 @@ class DecoderOnly(family_base.SequenceFamily):
 
 class EncoderClassifier(family_base.Family):
   """Encoder, pooling and a dense head: source -> one of config.model.num_classes labels."""
-  name = "encoder_classifier"
+  name = ENCODER_CLASSIFIER
   packable = False  # one label per row
   generates_text = False
 

@@ -8,15 +8,21 @@ keeps are pretrained/run_files.py's.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
+import jax
 import ml_collections
+from absl import logging
 
+from transformer_jax import checkpoints
 from transformer_jax import default_config
 from transformer_jax import families
+from transformer_jax import parallel
 from transformer_jax import workdir as workdir_lib
 from transformer_jax.data import directions as directions_lib
+from transformer_jax.model import lora as lora_lib
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
 from transformer_jax.pretrained import generation
 from transformer_jax.pretrained import languages as languages_lib
@@ -195,3 +201,47 @@ def serving_lengths(config: ml_collections.ConfigDict) -> None:
     config.max_source_length = config.max_target_length = min(length, 512)
 
 
+def lora_start(config: ml_collections.ConfigDict, workdir: str, family: families.Family,
+                layout, state, params):
+  """A LoRA run's first train state (from `state`, train.py's fresh one): the checkpoint's
+  weights `params` as the frozen base (saved once in WORKDIR/lora_base), a classifier's head among the trained parameters, and the
+  adapters the state was created with (B = 0) or those of config.lora.init."""
+  head, base = lora_lib.split(params, family.trained_in_full())
+  trainable = lora_lib.combine(head, state.params)
+  if config.lora.init:
+    from transformer_jax.pretrained import peft  # pylint: disable=g-import-not-at-top
+    boxed, _ = lora_lib.split(jax.eval_shape(
+        functools.partial(family.init_params, boxed=True), jax.random.PRNGKey(0)),
+                              family.trained_in_full())
+    adapters = peft.read_adapter(config.lora.init, checkpoint_lib.open_checkpoint(
+        config.pretrained), family.model_config, parallel.unbox(boxed), family.trained_in_full())
+    trainable = lora_lib.combine(adapters, trainable)
+    if layout.mode == "jit":
+      trainable = layout.place_params(trainable, boxed)
+    logging.info("Model: adapters of %s.", config.lora.init)
+  frozen = lora_lib.cast(base, config.lora.base_dtype)
+  checkpoints.save_lora_base(workdir, frozen)
+  return state.replace(params=trainable, frozen=frozen)
+
+
+def starting_params(config: ml_collections.ConfigDict, family: families.Family, layout,
+                       rng):
+  """The weights of `config.pretrained`, placed as the layout holds parameters (sharded under
+  jit: each device receives only its part). Parameters the checkpoint does not hold (a bare
+  encoder's classification head; all of it with config.reset_head) start as a from-scratch
+  run's would, from the seed's `rng`."""
+  checkpoint = checkpoint_lib.open_checkpoint(config.pretrained)
+  # A LoRA run's adapters start in lora_start, not from the seed here.
+  boxed = lora_lib.drop_adapters(
+      jax.eval_shape(functools.partial(family.init_params, boxed=True), rng))
+  expected = parallel.unbox(boxed)
+  params = checkpoint_lib.read_params(checkpoint, expected, reset_head=config.reset_head)
+  missing = checkpoint_lib.missing_params(params, expected)
+  if missing:  # a classifier's head: the whole model is initialised once, on one device
+    params = checkpoint_lib.complete_params(params, lora_lib.drop_adapters(jax.device_get(
+        jax.jit(family.init_params)(rng))))
+    logging.info("Model: %s start from the seed (not in the checkpoint).",
+                 ", ".join(jax.tree_util.keystr(path) for path in missing))
+  logging.info("Model: weights of %s (%s) imported.", config.pretrained, checkpoint.model_type)
+  # pmap: host arrays, replicated on every device with the rest of the state (place_state).
+  return layout.place_params(params, boxed) if layout.mode == "jit" else params
