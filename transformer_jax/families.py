@@ -86,7 +86,7 @@ def set_family(config: ml_collections.ConfigDict, family_name: str) -> None:
 # For messages: the configs that train each family.
 CONFIGS_OF = {ENCODER_DECODER: "a translation, summarization or multitask config",
               DECODER_ONLY: "a translation or summarization config with "
-                              "config.architecture='decoder_only'",
+                            "config.architecture='decoder_only'",
               ENCODER_CLASSIFIER: "a classification config (config.task='classification')"}
 
 
