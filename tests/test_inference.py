@@ -11,6 +11,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 from tests import cli
 from tests.conftest import ROOT, make_tiny_config
+from transformer_jax import commands
 from transformer_jax import config_validation
 from transformer_jax import predict
 from transformer_jax import train
@@ -222,3 +223,14 @@ def test_decoding_options_reach_the_search(workdir):
   assert 1 not in longer[:eos + 2]
   samples = run(2, method="sample", num_decodes=4)
   assert len(samples) == 2 and samples[0][1] >= samples[1][1]
+
+
+def test_jsonl_keeps_an_output_exactly_and_text_gives_one_line():
+  """A chat model's list or paragraphs: their line breaks are the output's (issue #58)."""
+  outputs = [("1. one\n2. two\n\nThe end.", -0.5), ("plain", -1.25)]
+  line = commands._format("Make a list.", outputs, 3, "jsonl", None)  # pylint: disable=protected-access
+  assert "\n" not in line  # one JSON object per input line
+  assert json.loads(line)["outputs"] == [{"text": "1. one\n2. two\n\nThe end.", "score": -0.5},
+                                         {"text": "plain", "score": -1.25}]
+  assert commands._format("Make a list.", outputs, 3, "text", None).splitlines() == [  # pylint: disable=protected-access
+      "3 ||| 1. one 2. two  The end. ||| -0.5000", "3 ||| plain ||| -1.2500"]

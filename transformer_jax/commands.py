@@ -164,10 +164,12 @@ def run_predict(workdir: str, input_path: str, output_path: str,
 
 def _format(source: str, outputs: list[tuple[str, float]], index: int, output_format: str,
             label_names: Sequence[str] | None) -> str:
-  """One input's line(s); a classifier's (`label_names` given) probabilities in label order."""
-  outputs = [(" ".join(text.splitlines()), score) for text, score in outputs]
+  """One input's line(s); a classifier's (`label_names` given) probabilities in label order.
+  JSON keeps each text exactly (a chat model's lists and paragraphs); only the one-line text
+  format turns its line breaks into spaces."""
   if output_format == "text":
-    return "\n".join(f"{index} ||| {text} ||| {score:.4f}" for text, score in outputs)
+    return "\n".join(f"{index} ||| {' '.join(text.splitlines())} ||| {score:.4f}"
+                     for text, score in outputs)
   if label_names is not None:
     scores = dict(outputs)
     return json.dumps(dict(source=source, label=outputs[0][0] if outputs else None,

@@ -62,8 +62,8 @@ flags.DEFINE_string("split", "test", "evaluate: the split to score (validation, 
 flags.DEFINE_integer("nbest", 1, "predict: outputs per input, best first (beam search: up to "
                      "decoding.beam_size; sampling: that many samples).")
 flags.DEFINE_enum("output_format", "text", ["text", "jsonl"], "predict: 'text' = the best "
-                  "output per line; 'jsonl' = one JSON object per input line with every output "
-                  "and its score (log-probability).")
+                  "output per line (its line breaks as spaces); 'jsonl' = one JSON object per "
+                  "input line with every output, exactly, and its score (log-probability).")
 flags.DEFINE_bool("multihost", False, "Join a multi-process run with jax.distributed.initialize: "
                   "on Cloud TPU VMs and under SLURM the other flags are found automatically.")
 flags.DEFINE_bool("verbose", False, "Show the full traceback of errors that are otherwise "
