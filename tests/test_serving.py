@@ -107,8 +107,11 @@ def seq2seq(_seq2seq_servers, workdir):
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
   folder = hf_fixtures.tiny_model("llama", str(tmp_path_factory.mktemp("llama")))
+  cache = tmp_path_factory.mktemp("compilation_cache")
   server = Server("--pretrained", folder, "--config.max_source_length=32",
-                  "--config.max_target_length=16", api_key="secret")
+                  "--config.max_target_length=16", "--compilation_cache", str(cache),
+                  api_key="secret")
+  server.compilation_cache = cache
   yield folder, server
   server.process.kill()
 
@@ -234,7 +237,10 @@ def test_sigterm_answers_the_request_in_flight_and_exits_0(seq2seq):
 
 
 def test_decoder_only_raw_and_chat_equal_predict_greedy_and_need_the_key(llama):
+  """Also: the server answered once its smallest shape compiled, the rest compiling behind
+  it, into the --compilation_cache folder (a second start reads them there)."""
   folder, server = llama
+  assert any(server.compilation_cache.iterdir())
   raw = predict.Predictor.from_pretrained(folder, _pretrained_config())
   expected = raw.predict(TEXTS, method="greedy", max_decode_len=10)
   name = server.name

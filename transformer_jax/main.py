@@ -37,6 +37,9 @@ flags.DEFINE_integer("port", 8000, "serve: the port to listen on.", lower_bound=
                      upper_bound=65535)
 flags.DEFINE_string("api_key", None, "serve: requests must send 'Authorization: Bearer KEY' "
                     "(default: $TRANSFORMER_JAX_API_KEY; none: no key needed).")
+flags.DEFINE_string("compilation_cache", None, "serve: JAX's persistent compilation cache "
+                    "folder, so that a second start compiles nothing (default: "
+                    "~/.cache/transformer_jax/jax, or $XDG_CACHE_HOME's; 'none': off).")
 flags.DEFINE_string("pretrained", None, "evaluate / predict / serve: serve this Hugging Face "
                     "checkpoint (a folder or hub name) as it is, without a workdir. To "
                     "fine-tune one, train with --config.pretrained=PATH.")
@@ -267,6 +270,7 @@ def _run() -> None:
 def _serve(workdir: str | None, serving: bool) -> None:
   from transformer_jax.serving import server  # pylint: disable=g-import-not-at-top
   server.check_address(flags.FLAGS.host, flags.FLAGS.port)  # before the minutes of loading
+  server.use_compilation_cache(flags.FLAGS.compilation_cache)
   given = [k for k in _given_config_keys() if k.startswith("decoding.") or k == "prompt_format"]
   predictor = server.load_model(
       workdir, flags.FLAGS.pretrained, None if serving else _checkpoint(),

@@ -3,11 +3,11 @@ sampling settings (temperature, top_k, top_p), seed and output limit, decoded in
 serve.stream_steps tokens (one compiled call fills the KV cache, each further call advances
 every row), so that streaming rows get their tokens while the batch decodes.
 
-Shapes are bucketed so that a running server never compiles: prompts are padded to a power
-of two >= 8 (at most config.max_source_length) and batches to devices x a power of two (at
+Shapes are bucketed so that a server compiles a few programs, once: prompts are padded to a
+power of two >= 8 (at most config.max_source_length) and batches to devices x a power of two (at
 most serve.max_batch_size), as generate.py buckets them; every output is decoded to one length
 (the server's longest), each row stopping at its own limit and the batch when all have.
-`warm_up` compiles every (prompt length, rows) bucket at start.
+`warm_up` compiles (prompt length, rows) buckets ahead of their first batch.
 """
 
 from __future__ import annotations
@@ -137,9 +137,12 @@ class BatchDecoder:
     """Every (prompt length, rows) bucket a batch can take."""
     return [(length, rows) for length in self.length_buckets for rows in self.row_buckets]
 
-  def warm_up(self, progress: Callable[[int, int, tuple[int, int]], None] | None = None) -> None:
-    """Compiles every bucket by decoding one-token outputs of dummy prompts."""
-    shapes = self.shapes()
+  def warm_up(self, progress: Callable[[int, int, tuple[int, int]], None] | None = None,
+              shapes: Sequence[tuple[int, int]] | None = None) -> None:
+    """Compiles the buckets `shapes` (default: every one) by decoding one-token outputs of
+    dummy prompts. Safe beside `decode` in another thread: a batch whose shape is not compiled
+    yet compiles it on the spot."""
+    shapes = self.shapes() if shapes is None else shapes
     for i, (length, rows) in enumerate(shapes):
       if progress:
         progress(i, len(shapes), (length, rows))

@@ -1,4 +1,7 @@
-"""`--mode serve`: loads the model, compiles every batch shape, serves HTTP until SIGTERM.
+"""`--mode serve`: loads the model, compiles its smallest batch shape, serves HTTP until
+SIGTERM while the other shapes compile in the background (a request whose shape is not ready
+waits for its compilation; none fails for it), with JAX's persistent compilation cache on by
+default, so that a second start reads the compiled programs instead.
 
 On SIGTERM (or Ctrl-C) uvicorn stops accepting connections and waits for the requests in
 flight, which the engine finishes decoding; the process then exits 0.
@@ -10,10 +13,12 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from typing import Sequence
 
 from absl import logging
+import jax
 import ml_collections
 
 from transformer_jax import default_config
@@ -23,6 +28,22 @@ from transformer_jax.serving import batch_decoder
 from transformer_jax.serving import engine as engine_lib
 
 API_KEY_VARIABLE = "TRANSFORMER_JAX_API_KEY"  # the API key, where --api_key is not given
+
+
+def use_compilation_cache(folder: str | None) -> str | None:
+  """Turns on JAX's persistent compilation cache in `folder` (None: the user's cache folder,
+  ~/.cache/transformer_jax/jax or $XDG_CACHE_HOME's; 'none': off); returns the folder."""
+  if folder == "none":
+    return None
+  if not folder:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folder = os.path.join(base, "transformer_jax", "jax")
+  jax.config.update("jax_compilation_cache_dir", folder)
+  # Every program the server runs is a decode worth keeping, however quickly it compiled.
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  print(f"Compilation cache: {folder} (--compilation_cache none: off).", file=sys.stderr,
+        flush=True)
+  return folder
 
 
 def load_model(workdir: str | None = None, pretrained: str | None = None,
@@ -84,18 +105,21 @@ def run_serve(predictor: predict.Predictor, name: str, host: str = "127.0.0.1",
     predictor.config.serve = serve
   decoder = batch_decoder.BatchDecoder(predictor, serve.max_batch_size, serve.stream_steps)
   shapes = decoder.shapes()
-
   start = time.perf_counter()
 
   def progress(done: int, total: int, shape: tuple[int, int]) -> None:
-    print(f"Compiling {total} batch shapes: {done + 1}/{total} ({shape[1]} rows of "
-          f"{shape[0]} prompt tokens; {time.perf_counter() - start:.0f} s so far)",
-          file=sys.stderr, flush=True)
+    print(f"Compiling batch shape {done + 1}/{total}: {shape[1]} rows of {shape[0]} prompt "
+          f"tokens ({time.perf_counter() - start:.0f} s so far).", file=sys.stderr, flush=True)
 
-  decoder.warm_up(progress)
-  print(f"Compiled {len(shapes)} batch shapes (prompts up to {decoder.max_source_length} "
-        f"tokens, up to {decoder.max_batch_size} rows) in {time.perf_counter() - start:.0f} s.",
-        file=sys.stderr, flush=True)
+  decoder.warm_up(progress, shapes[:1])  # the smallest: answering starts once it is ready
+
+  def compile_the_rest():
+    decoder.warm_up(lambda done, total, shape: progress(done + 1, total + 1, shape), shapes[1:])
+    print(f"Compiled all {len(shapes)} batch shapes (prompts up to "
+          f"{decoder.max_source_length} tokens, up to {decoder.max_batch_size} rows) in "
+          f"{time.perf_counter() - start:.0f} s.", file=sys.stderr, flush=True)
+
+  threading.Thread(target=compile_the_rest, name="compile-shapes", daemon=True).start()
   engine = engine_lib.Engine(decoder, serve.max_wait_ms, serve.max_queue)
   app = app_lib.create_app(app_lib.Service(predictor, engine, name), api_key)
   server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
