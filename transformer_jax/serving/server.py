@@ -113,13 +113,18 @@ def run_serve(predictor: predict.Predictor, name: str, host: str = "127.0.0.1",
 
   decoder.warm_up(progress, shapes[:1])  # the smallest: answering starts once it is ready
 
+  stopping = threading.Event()
+
   def compile_the_rest():
-    decoder.warm_up(lambda done, total, shape: progress(done + 1, total + 1, shape), shapes[1:])
+    for i, shape in enumerate(shapes[1:], start=1):
+      if stopping.is_set():  # shutting down: the shape in progress was the last
+        return
+      progress(i, len(shapes), shape)
+      decoder.warm_up(shapes=[shape])
     print(f"Compiled all {len(shapes)} batch shapes (prompts up to "
           f"{decoder.max_source_length} tokens, up to {decoder.max_batch_size} rows) in "
           f"{time.perf_counter() - start:.0f} s.", file=sys.stderr, flush=True)
 
-  threading.Thread(target=compile_the_rest, name="compile-shapes", daemon=True).start()
   engine = engine_lib.Engine(decoder, serve.max_wait_ms, serve.max_queue)
   app = app_lib.create_app(app_lib.Service(predictor, engine, name), api_key)
   server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
@@ -127,10 +132,15 @@ def run_serve(predictor: predict.Predictor, name: str, host: str = "127.0.0.1",
   # uvicorn re-raises the signal that stopped it once it has drained; a handler that does
   # nothing lets the drained server exit 0 instead of dying by SIGTERM.
   previous = signal.signal(signal.SIGTERM, lambda *_: None)
+  # Joined before the process exits: a thread left inside XLA's compiler at exit aborts it.
+  compiler = threading.Thread(target=compile_the_rest, name="compile-shapes")
+  compiler.start()
   try:
     print(f"Serving {name} on http://{host}:{port}/v1 (Ctrl-C or SIGTERM stops).",
           file=sys.stderr, flush=True)
     server.run()
   finally:
     signal.signal(signal.SIGTERM, previous)
+    stopping.set()
+    compiler.join()
     engine.close()
