@@ -39,7 +39,8 @@ flags.DEFINE_string("api_key", None, "serve: requests must send 'Authorization: 
                     "(default: $TRANSFORMER_JAX_API_KEY; none: no key needed).")
 flags.DEFINE_string("compilation_cache", None, "serve: JAX's persistent compilation cache "
                     "folder, so that a second start compiles nothing (default: "
-                    "~/.cache/transformer_jax/jax, or $XDG_CACHE_HOME's; 'none': off).")
+                    "$JAX_COMPILATION_CACHE_DIR, else ~/.cache/transformer_jax/jax or "
+                    "$XDG_CACHE_HOME's; 'none': off).")
 flags.DEFINE_string("pretrained", None, "evaluate / predict / serve: serve this Hugging Face "
                     "checkpoint (a folder or hub name) as it is, without a workdir. To "
                     "fine-tune one, train with --config.pretrained=PATH.")

@@ -31,10 +31,12 @@ API_KEY_VARIABLE = "TRANSFORMER_JAX_API_KEY"  # the API key, where --api_key is 
 
 
 def use_compilation_cache(folder: str | None) -> str | None:
-  """Turns on JAX's persistent compilation cache in `folder` (None: the user's cache folder,
-  ~/.cache/transformer_jax/jax or $XDG_CACHE_HOME's; 'none': off); returns the folder."""
+  """Turns on JAX's persistent compilation cache in `folder` (None: $JAX_COMPILATION_CACHE_DIR
+  where set, else the user's cache folder, ~/.cache/transformer_jax/jax or $XDG_CACHE_HOME's;
+  'none': off); returns the folder."""
   if folder == "none":
     return None
+  folder = folder or os.environ.get("JAX_COMPILATION_CACHE_DIR")
   if not folder:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     folder = os.path.join(base, "transformer_jax", "jax")
