@@ -1,5 +1,5 @@
-"""`transformer_jax.attention` as users import it (DESIGN.md's public interface): the module moved to
-transformer_jax/model/attention.py, and importing this name gives that module itself."""
+"""`transformer_jax.attention` as users import it (DESIGN.md's public interface): the module
+moved to transformer_jax/model/attention.py, and importing this name gives that module itself."""
 
 import sys
 

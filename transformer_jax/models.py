@@ -1,5 +1,5 @@
-"""`transformer_jax.models` as users import it (DESIGN.md's public interface): the module moved to
-transformer_jax/model/models.py, and importing this name gives that module itself."""
+"""`transformer_jax.models` as users import it (DESIGN.md's public interface): the module
+moved to transformer_jax/model/models.py, and importing this name gives that module itself."""
 
 import sys
 

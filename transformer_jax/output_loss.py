@@ -61,7 +61,8 @@ def fused_score(score, output_layer: Callable[[Any, Array], Array], params, stat
   layer's parameters and the states taken in the forward pass.
 
   Only the parameters the output layer reads (found in its jaxpr) are carried through the
-  chunks' scan: a tied embedding, an output kernel and bias; the others get no gradient here.
+  chunks' scan: a tied embedding, an output kernel and bias; the others get no gradient here,
+  nor does what `score` closes over (train_step's token count).
   """
   leaves, treedef = jax.tree.flatten(params)
   used = _read_leaves(output_layer, params, states[:, :1])

@@ -204,8 +204,9 @@ def serving_lengths(config: ml_collections.ConfigDict) -> None:
 def lora_start(config: ml_collections.ConfigDict, workdir: str, family: families.Family,
                 layout, state, params):
   """A LoRA run's first train state (from `state`, train.py's fresh one): the checkpoint's
-  weights `params` as the frozen base (saved once in WORKDIR/lora_base), a classifier's head among the trained parameters, and the
-  adapters the state was created with (B = 0) or those of config.lora.init."""
+  weights `params` as the frozen base (saved once in WORKDIR/lora_base), a classifier's head
+  among the trained parameters, and the adapters the state was created with (B = 0) or those
+  of config.lora.init."""
   head, base = lora_lib.split(params, family.trained_in_full())
   trainable = lora_lib.combine(head, state.params)
   if config.lora.init:

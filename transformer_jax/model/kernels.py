@@ -69,17 +69,15 @@ class Call:
   heads: int
   kv_heads: int
   head_dim: int
-  dense_mask: bool  # a mask array is given
-  parts: StructuredMask | None
+  parts: StructuredMask | None  # None: a mask array alone, or no mask
   bias: bool
   softcap: bool
 
   @classmethod
   def of(cls, query: Array, key: Array, mask=None, *, bias: Array | None = None,
          softcap: float = 0.0, platform: str | None = None) -> "Call":
-    dense, parts = split_mask(mask)
     return cls(platform or jax.default_backend(), query.dtype, query.shape[1], key.shape[1],
-               query.shape[2], key.shape[2], query.shape[3], dense is not None, parts,
+               query.shape[2], key.shape[2], query.shape[3], split_mask(mask)[1],
                bias is not None, bool(softcap))
 
 
@@ -124,7 +122,7 @@ class Kernel:
       return "takes no score bias (relative position bias)"
     if call.softcap and not self.softcap:
       return "has no score soft-capping"
-    if call.dense_mask and not self.dense_masks:
+    if not self.dense_masks:
       if call.parts is None:
         return "needs the mask's parts (causal / segments / window), not a mask array"
       if call.parts.window and not self.windows:
@@ -362,8 +360,8 @@ def config_refusal(implementation: str, platform: str | None, *, dtype: str, hea
   if implementation == "auto" or implementation not in KERNELS:
     return None
   kernel = KERNELS[implementation]
-  call = Call(platform or kernel.platforms[0], jnp.dtype(dtype), max(kernel.min_queries, kernel.length_multiple),
-              kernel.length_multiple, 1, 1, head_dim, True,
+  length = max(kernel.min_queries, kernel.length_multiple)  # some call the kernel takes
+  call = Call(platform or kernel.platforms[0], jnp.dtype(dtype), length, length, 1, 1, head_dim,
               None if prefix_lm else _ANY_PARTS, relative_bias, softcap)
   why = kernel.refusal(call)
   if why is None:
