@@ -192,8 +192,8 @@ def _check_pretrained_overrides(config) -> None:
   refused before anything is read or written."""
   from transformer_jax import config_validation  # pylint: disable=g-import-not-at-top
   from transformer_jax import pretrained_run  # pylint: disable=g-import-not-at-top
-  refused = pretrained_run.refused_overrides(pretrained_run.run_checkpoint(config, flags.FLAGS.workdir),
-                                         config, _given_config_keys())
+  checkpoint = pretrained_run.run_checkpoint(config, flags.FLAGS.workdir)
+  refused = pretrained_run.refused_overrides(checkpoint, config, _given_config_keys())
   if refused:
     raise config_validation.ConfigError(
         f"--config.pretrained fixes the model and tokenizer: {'; '.join(refused)}. Drop these "

@@ -36,10 +36,6 @@ def _split(x: Array, chunk_length: int) -> Array:
   return jnp.moveaxis(x.reshape((x.shape[0], -1, chunk_length) + x.shape[2:]), 1, 0)
 
 
-def _zeros(abstract_tree):
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract_tree)
-
-
 def chunked_score(score, logits, states: Array, labels: Array, weights: Array,
                   chunk_length: int):
   """`score(logits(states), labels, weights)` for `states` [rows, len, emb], computed over
@@ -50,7 +46,7 @@ def chunked_score(score, logits, states: Array, labels: Array, weights: Array,
   chunks = tuple(_split(x, chunk_length) for x in (states, labels, weights))
   one_chunk = jax.checkpoint(lambda s, l, w: score(logits(s), l, w), prevent_cse=False)
   add = lambda total, chunk: (jax.tree.map(jnp.add, total, one_chunk(*chunk)), None)
-  totals = _zeros(jax.eval_shape(one_chunk, *(x[0] for x in chunks)))
+  totals = jax.tree.map(jnp.zeros_like, jax.eval_shape(one_chunk, *(x[0] for x in chunks)))
   return jax.lax.scan(add, totals, chunks)[0]
 
 
@@ -85,8 +81,8 @@ def fused_score(score, output_layer: Callable[[Any, Array], Array], params, stat
   def forward(read, states, labels, weights, closed):
     add = lambda total, chunk: (jax.tree.map(jnp.add, total, one_chunk(read, *chunk, *closed)),
                                 None)
-    return jax.lax.scan(add, _zeros(sums), tuple(_split(x, chunk_length)
-                                                 for x in (states, labels, weights)))[0]
+    chunks = tuple(_split(x, chunk_length) for x in (states, labels, weights))
+    return jax.lax.scan(add, jax.tree.map(jnp.zeros_like, sums), chunks)[0]
 
   def forward_and_gradients(read, states, labels, weights, closed):
     def add(carry, chunk):
@@ -100,7 +96,7 @@ def fused_score(score, output_layer: Callable[[Any, Array], Array], params, stat
               jax.tree.map(jnp.add, read_grads, chunk_read_grads)), state_grads
 
     (total, read_grads), state_grads = jax.lax.scan(
-        add, (_zeros(sums), jax.tree.map(jnp.zeros_like, read)),
+        add, (jax.tree.map(jnp.zeros_like, sums), jax.tree.map(jnp.zeros_like, read)),
         tuple(_split(x, chunk_length) for x in (states, labels, weights)))
     rows, length = states.shape[:2]
     state_grads = jnp.moveaxis(state_grads, 0, 1).reshape(rows, -1, states.shape[2])

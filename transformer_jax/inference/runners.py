@@ -22,11 +22,6 @@ from transformer_jax.model import models
 Array = jax.Array
 
 
-def zeros(abstract_tree):
-  """Zero arrays of the shapes and dtypes of `abstract_tree` (a KV cache's, from eval_shape)."""
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract_tree)
-
-
 class Runner:
   """A sequence model's decoding: `model` (a models.EncoderDecoder or models.DecoderOnly) and
   its `model_config`."""
@@ -68,7 +63,7 @@ class EncoderDecoderRunner(Runner):
     init = lambda: self.model.init(
         jax.random.PRNGKey(0), jnp.ones((batch_size, source_len), jnp.int32),
         jnp.ones((batch_size, cache_len), jnp.int32), deterministic=True, decode=True)
-    return zeros(jax.eval_shape(init)["cache"])
+    return jax.tree.map(jnp.zeros_like, jax.eval_shape(init)["cache"])
 
   def encoded_key_value(self, params, encoded: Array, source: Array):
     """Every decoder layer's cross-attention keys/values for `encoded` [b, src_len, emb]: the
@@ -135,7 +130,7 @@ class DecoderOnlyRunner(Runner):
     init = lambda: self.model.init(jax.random.PRNGKey(0),
                                    jnp.ones((batch_size, cache_len), jnp.int32),
                                    deterministic=True, decode=True)
-    return zeros(jax.eval_shape(init)["cache"])
+    return jax.tree.map(jnp.zeros_like, jax.eval_shape(init)["cache"])
 
   def prefill(self, params, inputs, rows, max_len, packing=None):
     """Fills the KV cache with the right-padded prompts `SOURCE <eos>` [b, P].

@@ -42,8 +42,9 @@ def _partitioned(init: Callable, names: tuple[str | None, ...]) -> Callable:
   return lambda *args, **kwargs: _Partitioned(init(*args, **kwargs), names)
 
 
-def resolve_implementation(implementation: str, query: Array | None = None, key: Array | None = None,
-                           mask=None, *, bias: Array | None = None, softcap: float = 0.0) -> str:
+def resolve_implementation(implementation: str, query: Array | None = None,
+                           key: Array | None = None, mask=None, *, bias: Array | None = None,
+                           softcap: float = 0.0) -> str:
   """The kernel (a `kernels.KERNELS` name) that runs `implementation` ('auto' or a kernel)
   on the default backend for this call (`kernels.choose`); without a `query`, 'auto''s first
   choice for the backend."""
@@ -86,10 +87,10 @@ class MultiHeadAttention(nn.Module):
   `models.attention_weights`).
 
   In decode mode self-attention keys and values are kept in a 'cache' collection of shape
-  [b, n, d, max_len] (`kv_cache.keys_last`; n = the key/value heads): a call with m new tokens writes
-  them at `cache_index` and attends causally over everything written so far, so a prefix is
-  filled in one call and then extended one token per call. The cache is created by an `init`
-  in decode mode on inputs of the full decode length. Cross-attention keys/values are
+  [b, n, d, max_len] (`kv_cache.keys_last`; n = the key/value heads): a call with m new tokens
+  writes them at `cache_index` and attends causally over everything written so far, so a
+  prefix is filled in one call and then extended one token per call. The cache is created by
+  an `init` in decode mode on inputs of the full decode length. Cross-attention keys/values are
   projected once per source and kept in an 'encoded_kv' collection (`_encoded_key_value`);
   queries of several rows per source (beams) attend to them without copies.
 
@@ -108,11 +109,12 @@ class MultiHeadAttention(nn.Module):
   prefix LM's prompt, filled in one call as its training reads the source part.
 
   `beams` > 1 (decode mode): each source's `beams` consecutive rows are one beam search's
-  hypotheses, which reorders them with `reorder_beams`: self-attention then reads each row's
-  slots where its hypothesis wrote them (`beam_attention`), so that no keys or values move.
-  A cache that `kv_cache.with_beam_slots` gave 'decoded_key' / 'decoded_value' (a decoder-only model's,
-  after its prompt) also keeps the decoded slots there: the prompt is then read in each row's
-  own slots, once, and only the decoded slots from every beam of the source.
+  hypotheses, which reorders them with `kv_cache.reorder_beams`: self-attention then reads
+  each row's slots where its hypothesis wrote them (`beam_attention`), so that no keys or
+  values move. A cache that `kv_cache.with_beam_slots` gave 'decoded_key' / 'decoded_value' (a
+  decoder-only model's, after its prompt) also keeps the decoded slots there: the prompt is
+  then read in each row's own slots, once, and only the decoded slots from every beam of the
+  source.
 
   `use_bias` False drops the projections' biases (`qkv_bias` / `out_bias`, where set, decide
   for the query/key/value and the output projections apart) and `scale_scores` False the 1/sqrt(d)
@@ -230,15 +232,10 @@ class MultiHeadAttention(nn.Module):
                                              bias=bias, scale=scale, softcap=self.softcap,
                                              decoded=decoded)
       key, value = kv_cache.beam_slots(key, slot_rows), kv_cache.beam_slots(value, slot_rows)
-    implementation = "reference"
     if self.score == "dot_product" and not (capture or dropout_rng is not None):
-      implementation = resolve_implementation(self.implementation, query, key, parts or mask,
-                                              bias=bias, softcap=self.softcap)
-    out = None
-    if implementation != "reference":  # None: the kernel failed to build; the reference runs
-      out = kernels.run(implementation, query, key, value, parts or mask, bias=bias,
-                        scale=scale, softcap=self.softcap)
-    if out is None:
+      out = fused_attention(query, key, value, parts or mask, self.implementation, bias, scale,
+                            self.softcap)
+    else:
       out, weights = self._reference(query, key, value, mask, bias, scale, dropout_rng)
       if capture:
         self.sow("intermediates", "attention_weights", weights)

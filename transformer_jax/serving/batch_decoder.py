@@ -13,6 +13,7 @@ most serve.max_batch_size), as generate.py buckets them; every output is decoded
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Callable, Sequence
 
 from absl import logging
@@ -138,15 +139,21 @@ class BatchDecoder:
     return [(length, rows) for length in self.length_buckets for rows in self.row_buckets]
 
   def warm_up(self, progress: Callable[[int, int, tuple[int, int]], None] | None = None,
-              shapes: Sequence[tuple[int, int]] | None = None) -> None:
+              shapes: Sequence[tuple[int, int]] | None = None,
+              stop: threading.Event | None = None) -> bool:
     """Compiles the buckets `shapes` (default: every one) by decoding one-token outputs of
-    dummy prompts. Safe beside `decode` in another thread: a batch whose shape is not compiled
-    yet compiles it on the spot."""
-    shapes = self.shapes() if shapes is None else shapes
-    for i, (length, rows) in enumerate(shapes):
+    dummy prompts, telling `progress` (index, count, shape) among all the buckets before
+    each; stops between buckets once `stop` is set. Returns whether it compiled them all.
+    Safe beside `decode` in another thread: a batch whose shape is not compiled yet compiles
+    it on the spot."""
+    every = self.shapes()
+    for length, rows in every if shapes is None else shapes:
+      if stop is not None and stop.is_set():
+        return False
       if progress:
-        progress(i, len(shapes), (length, rows))
+        progress(every.index((length, rows)), len(every), (length, rows))
       self.decode([Row(np.full((length,), 3, np.int32))] * rows)
+    return True
 
   def decode(self, rows: Sequence[Row]) -> list[Output]:
     """Outputs of up to max_batch_size rows, in order."""

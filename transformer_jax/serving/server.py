@@ -1,6 +1,6 @@
 """`--mode serve`: loads the model, compiles its smallest batch shape, serves HTTP until
 SIGTERM while the other shapes compile in the background (a request whose shape is not ready
-waits for its compilation; none fails for it), with JAX's persistent compilation cache on by
+compiles it itself; none fails for it), with JAX's persistent compilation cache on by
 default, so that a second start reads the compiled programs instead.
 
 On SIGTERM (or Ctrl-C) uvicorn stops accepting connections and waits for the requests in
@@ -117,15 +117,11 @@ def run_serve(predictor: predict.Predictor, name: str, host: str = "127.0.0.1",
 
   stopping = threading.Event()
 
-  def compile_the_rest():
-    for i, shape in enumerate(shapes[1:], start=1):
-      if stopping.is_set():  # shutting down: the shape in progress was the last
-        return
-      progress(i, len(shapes), shape)
-      decoder.warm_up(shapes=[shape])
-    print(f"Compiled all {len(shapes)} batch shapes (prompts up to "
-          f"{decoder.max_source_length} tokens, up to {decoder.max_batch_size} rows) in "
-          f"{time.perf_counter() - start:.0f} s.", file=sys.stderr, flush=True)
+  def compile_the_rest():  # until shutdown, which waits for the shape in progress
+    if decoder.warm_up(progress, shapes[1:], stopping):
+      print(f"Compiled all {len(shapes)} batch shapes (prompts up to "
+            f"{decoder.max_source_length} tokens, up to {decoder.max_batch_size} rows) in "
+            f"{time.perf_counter() - start:.0f} s.", file=sys.stderr, flush=True)
 
   engine = engine_lib.Engine(decoder, serve.max_wait_ms, serve.max_queue)
   app = app_lib.create_app(app_lib.Service(predictor, engine, name), api_key)
