@@ -217,7 +217,7 @@ def test_decoder_only_prefix_fill_then_steps_equals_full_forward(name):
 @pytest.mark.parametrize("name", DECODER_ONLY_OPTIONS)
 def test_decoder_only_padded_prompts_and_copies_decode_like_the_full_forward(name):
   # The family's own decoding start: right-padded prompts `SOURCE <eos>` of different lengths
-  # fill the cache together, then each row continues from its own length (decode_offset);
+  # fill the cache together, then each row continues from its own length (its write position);
   # two rows (beams, samples) per prompt continue differently.
   family = families.from_model_config("decoder_only", SMALL.replace(**VARIANTS[name]))
   params = family.init_params(jax.random.PRNGKey(0))

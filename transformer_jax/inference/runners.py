@@ -52,6 +52,14 @@ class Runner:
     `beams`: `start_decoding`'s."""
     raise NotImplementedError
 
+  def refill(self, params, cache, context, row_ids: Array, inputs: Array, packing=None):
+    """(cache, context, first tokens [k]): the prompts `inputs` [k, P] read into the rows
+    `row_ids` [k] of a live `cache` and `context` (a `prefill`'s, one row per prompt, while
+    its other rows decode on), each as `prefill` reads a prompt alone: a finished row's slot
+    refilled with a waiting request. The other rows' keys, values and write positions stay
+    as they were, so their outputs do not change."""
+    raise NotImplementedError
+
 
 class EncoderDecoderRunner(Runner):
   """The encoder reads the prompts once; the decoder's self-attention keeps a KV cache and
@@ -83,6 +91,21 @@ class EncoderDecoderRunner(Runner):
     """The decoding callback: next-token logits [n, vocab] from the decoder's KV cache, for
     n = a multiple of the b source rows (beams or samples of each source, row-major)."""
     return self.step_logits(params, self._context(params, encoded, source))
+
+  def refill(self, params, cache, context, row_ids, inputs, packing=None):
+    source_len = context["source"].shape[1]
+    if inputs.shape[1] > source_len:
+      raise ValueError(f"Prompts of {inputs.shape[1]} tokens cannot refill rows of a batch "
+                       f"whose sources hold {source_len}.")
+    if kv_cache.length_and_rows(cache)[1] != context["source"].shape[0]:
+      raise ValueError("Rows of a batch decoding several outputs per source cannot be "
+                       "refilled one at a time.")
+    inputs = jnp.pad(inputs, ((0, 0), (0, source_len - inputs.shape[1])))
+    fresh, new, start = self.prefill(params, inputs, inputs.shape[0], kv_cache.length(cache),
+                                     packing)
+    context = jax.tree.map(lambda live, x: live.at[row_ids].set(x), context, new)
+    starts = jnp.broadcast_to(jnp.asarray(start, jnp.int32), row_ids.shape)
+    return kv_cache.insert_rows(cache, fresh, row_ids), context, starts
 
   def _context(self, params, encoded: Array, source: Array) -> dict:
     return {"encoded": encoded, "source": source,
@@ -138,9 +161,10 @@ class DecoderOnlyRunner(Runner):
     The cache holds `<bos> SOURCE` (the training input up to the EOS), so decoding starts by
     feeding EOS, whose logits predict the first target token, exactly as in training. Raw and
     chat prompts are read as they are: the cache holds all but each prompt's last token,
-    which decoding starts from. Padding slots are masked out and each row's positions
-    continue from its own prompt length. With `packing` the prompts fill a cache of packed
-    rows, whose slots are then moved to each prompt's own row.
+    which decoding starts from. Each row then goes on writing and counting positions from its
+    own prompt's end (`kv_cache.with_lengths`): no padding lies between a prompt and its
+    output. With `packing` the prompts fill a cache of packed rows, whose slots are then moved
+    to each prompt's own row. The context is empty: the cache holds all a step needs.
     """
     model = self.model
     batch_size, prompt_len = inputs.shape
@@ -151,21 +175,25 @@ class DecoderOnlyRunner(Runner):
     else:
       start = tokenizer_lib.EOS_ID
       filled = models.shift_right(inputs, self.model_config.bos_id)  # <bos> SOURCE, 0...
-    cache_mask = jnp.concatenate([filled != 0, jnp.ones((batch_size, max_len), bool)], axis=1)
-    cache_mask = cache_mask[:, None, None, :]  # [b, 1, 1, P + max_len]
-    offset = prompt_len - jnp.sum(filled != 0, axis=1)  # [b]: padding slots before decoding
+    lengths = jnp.sum(filled != 0, axis=1)  # [b]: where each row's decoding goes on
     if packing is None:
-      cache = self.init_cache(batch_size, prompt_len + max_len)
-      _, variables = model.apply({"params": params, "cache": cache}, filled,
-                                 deterministic=True, decode=True, cache_mask=cache_mask,
-                                 prefix_fill=True, mutable=["cache"])
+      cache_mask = (jnp.arange(prompt_len + max_len)[None, :] < lengths[:, None])[:, None, None]
+      _, variables = model.apply({"params": params, "cache": self.init_cache(
+          batch_size, prompt_len + max_len)}, filled, deterministic=True, decode=True,
+          cache_mask=cache_mask, prefix_fill=True, mutable=["cache"])
       cache = variables["cache"]
     else:
       cache = self._packed_fill(params, filled, packing, max_len)
-    if rows != batch_size:  # the callback sees [batch * copies] rows
-      cache_mask = decoding.flat_batch_beam_expand(cache_mask, rows // batch_size)
-      offset = decoding.flat_batch_beam_expand(offset, rows // batch_size)
-    return cache, {"cache_mask": cache_mask, "offset": offset}, start
+    return kv_cache.with_lengths(cache, lengths), {}, start
+
+  def refill(self, params, cache, context, row_ids, inputs, packing=None):
+    room = kv_cache.length(cache) - inputs.shape[1]
+    if room < 1:
+      raise ValueError(f"Prompts of {inputs.shape[1]} tokens leave no room to decode in a "
+                       f"cache of {kv_cache.length(cache)} slots.")
+    fresh, _, start = self.prefill(params, inputs, inputs.shape[0], room, packing)
+    starts = jnp.broadcast_to(jnp.asarray(start, jnp.int32), row_ids.shape)
+    return kv_cache.insert_rows(cache, fresh, row_ids), context, starts
 
   def _packed_fill(self, params, filled, packing, max_len):
     """The cache of `prefill` for prompts `filled` [b, P], filled packed: each packed row's
@@ -179,22 +207,20 @@ class DecoderOnlyRunner(Runner):
         cache_mask=attention.segment_mask(segments, segments), prefix_fill=True,
         mutable=["cache"])
 
-    def to_rows(packed):
-      if not packed.ndim:  # the counters of slots filled: prompt_len, as unpacked
-        return packed
+    def to_rows(path, packed):
+      if getattr(path[-1], "key", None) in kv_cache.INDEX_NAMES:  # set by `prefill`
+        return jnp.zeros(filled.shape[:1], packed.dtype)
       rows = prompt_packing.unpack(packed, places, filled != 0)  # [b, ..., P]
       return jnp.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, max_len)])
 
-    return jax.tree.map(to_rows, variables["cache"])
+    return jax.tree_util.tree_map_with_path(to_rows, variables["cache"])
 
   def step_logits(self, params, context, beams=1):
     model = self.model
 
     def tokens_to_logits(ids, cache):
       logits, new = model.apply({"params": params, "cache": cache}, ids, deterministic=True,
-                                decode=True, cache_mask=context["cache_mask"],
-                                decode_offset=context["offset"], beams=beams,
-                                mutable=["cache"])
+                                decode=True, beams=beams, mutable=["cache"])
       return logits[:, -1], new["cache"]
 
     return tokens_to_logits

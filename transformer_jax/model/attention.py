@@ -323,44 +323,42 @@ class MultiHeadAttention(nn.Module):
 
   def _update_cache(self, key: Array, value: Array, mask: Array | None, prefix_fill: bool,
                     beams: int):
-    """Writes the new keys/values into the cache; returns all cached ones, their mask (causal
-    over the new tokens, or with `prefix_fill` every slot written so far) and where each row's
-    slots are ('slot_rows', `beam_attention`: a row writes its new slots itself; without beams
-    no row reads another's, and the offsets stay 0), and the decoded keys and values kept
-    apart from a prompt's (`kv_cache.with_beam_slots`; else None)."""
+    """Writes the new keys/values into the cache, each row at its own write position
+    (`kv_cache`); returns all cached ones, their mask (each row's slots up to its new tokens,
+    causal over them, or with `prefix_fill` all of them), where each row's slots are
+    ('slot_rows', `beam_attention`: a row writes its new slots itself; without beams no row
+    reads another's, and the offsets stay 0), and the decoded keys and values kept apart from a
+    prompt's with each row's prompt length (`kv_cache.with_beam_slots`; else None)."""
     initialized = self.has_variable("cache", "cached_key")
     shape = kv_cache.keys_last(key).shape
+    rows, num_new = shape[0], key.shape[1]
     cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, key.dtype)
     cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, value.dtype)
-    cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
-    slot_rows = self.variable("cache", "slot_rows", jnp.zeros, (shape[0], shape[3]), jnp.int32)
+    cache_index = self.variable("cache", "cache_index", jnp.zeros, (rows,), jnp.int32)
+    slot_rows = self.variable("cache", "slot_rows", jnp.zeros, (rows, shape[3]), jnp.int32)
     if not initialized:  # the init pass only creates the cache
       return key, value, mask, None, None
-    num_new, max_len = key.shape[1], cached_key.value.shape[3]
-    index = cache_index.value
-    cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, kv_cache.keys_last(key),
-                                                    (0, 0, 0, index))
-    cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, kv_cache.keys_last(value),
-                                                      (0, 0, 0, index))
+    max_len = cached_key.value.shape[3]
+    index = cache_index.value  # [rows]
+    cached_key.value = kv_cache.write(cached_key.value, kv_cache.keys_last(key), index)
+    cached_value.value = kv_cache.write(cached_value.value, kv_cache.keys_last(value), index)
     cache_index.value = index + num_new
     if beams > 1:
-      slot_rows.value = jax.lax.dynamic_update_slice(
-          slot_rows.value, jnp.zeros((shape[0], num_new), jnp.int32), (0, index))
-    def kept_apart(name, new):  # `kv_cache.with_beam_slots`: the decoded slots, after the prompt's
-      kept = self.get_variable("cache", name)
-      kept = jax.lax.dynamic_update_slice(
-          kept, kv_cache.keys_last(new).reshape(kept.shape[:-1] + (num_new,)),
-          (0, 0, 0, 0, index - (max_len - kept.shape[-1])))
-      self.put_variable("cache", name, kept)
-      return kept
+      slot_rows.value = kv_cache.write(slot_rows.value, jnp.zeros((rows, num_new), jnp.int32),
+                                       index)
+    decoded = None
+    if self.has_variable("cache", "decoded_key"):  # `kv_cache.with_beam_slots`
+      prompt_length = self.get_variable("cache", "prompt_length")
 
-    decoded = (tuple(kept_apart(name, x) for name, x in (("decoded_key", key),
-                                                          ("decoded_value", value)))
-               if self.has_variable("cache", "decoded_key") else None)
-    # New token i (at absolute position index + i) sees cached positions <= index + i.
-    query_positions = index + jnp.arange(num_new)[:, None]  # [q, 1]
-    if prefix_fill:
-      query_positions = jnp.full_like(query_positions, index + num_new - 1)
-    visible = jnp.arange(max_len)[None, :] <= query_positions  # [q, max_len]
+      def kept_apart(name, new):  # decoded slot t of a row is its slot prompt_length + t
+        kept = self.get_variable("cache", name)
+        new = kv_cache.keys_last(new).reshape(kept.shape[:-1] + (num_new,))
+        kept = kv_cache.write(kept, new, (index - prompt_length).reshape(kept.shape[:2]))
+        self.put_variable("cache", name, kept)
+        return kept
+
+      decoded = (kept_apart("decoded_key", key), kept_apart("decoded_value", value),
+                 prompt_length)
+    visible = kv_cache.visible(index, num_new, max_len, prefix_fill)  # [rows, 1, q, max_len]
     return (kv_cache.from_keys_last(cached_key.value), kv_cache.from_keys_last(cached_value.value),
-            combine_masks(visible[None, None], mask), slot_rows.value, decoded)
+            combine_masks(visible, mask), slot_rows.value, decoded)

@@ -31,10 +31,11 @@ def beam_attention(query: Array, key: Array, value: Array, mask: Array | None,
     slot_rows: int [r, L]: where each row's slots are, as offsets from the row.
     beams: rows per source.
     bias, scale, softcap: as in `dot_product_attention`.
-    decoded: where the cache holds a prompt (its first P slots, alike in every beam of a
-      source) and then L - P decoded slots: those decoded slots apart, keys and values as
-      `with_beam_slots` keeps them, [b, beams, n, d, L - P]. Each row then reads the prompt in
-      its own row, and only the decoded slots from every holder: L + beams x (L - P) slots a
+    decoded: where the cache holds a prompt (the first prompt_length[r] slots of row r, alike
+      in every beam of a source) and then its decoded slots: (keys, values, prompt_length [r]),
+      the decoded slots kept apart as `with_beam_slots` keeps them, [b, beams, n, d, D]
+      (decoded slot t is the cache's slot prompt_length + t). Each row then reads the prompt
+      in its own row, and only the decoded slots from every holder: L + beams x D slots a
       query instead of beams x L.
 
   Returns:
@@ -45,16 +46,19 @@ def beam_attention(query: Array, key: Array, value: Array, mask: Array | None,
   group = check_groups(heads, kv_heads)
   sources = rows // beams
   scale = jnp.float32(head_dim ** -0.5 if scale is None else scale)
-  prompt_len = 0 if decoded is None else length - decoded[0].shape[-1]
   own = None
   if decoded is not None:  # the prompt, read in each row's own slots
-    own, prompt_values = _prompt_part(query, key, value, mask, bias, softcap, scale, beams,
-                                      prompt_len)
-    keys, values = decoded
-    length = length - prompt_len
-    slot_rows = slot_rows[:, prompt_len:]
-    mask = None if mask is None else mask[..., prompt_len:]
-    bias = None if bias is None else bias[..., prompt_len:]
+    keys, values, prompt_length = decoded
+    length = keys.shape[-1]
+    # Decoded slot t of row r is its cache slot prompt_length[r] + t: the mask, bias and slot
+    # offsets of those slots, gathered.
+    slots = prompt_length[:, None] + jnp.arange(length)[None, :]  # [r, D]
+    in_prompt = jnp.arange(key.shape[1])[None, :] < prompt_length[:, None]  # [r, L]
+    own_mask = in_prompt[:, None, None] if mask is None else mask & in_prompt[:, None, None]
+    own, prompt_values = _prompt_part(query, key, value, own_mask, bias, softcap, scale, beams)
+    slot_rows = jnp.take_along_axis(slot_rows, slots, axis=1, mode="clip")
+    mask = None if mask is None else _gather_slots(mask, slots, rows)
+    bias = None if bias is None else _gather_slots(bias, slots, rows)
   else:
     # Source b, holder beam i, key/value head n, querying beam j, group g, query q, slot l.
     # The keys and values are split from the cache's own layout (`keys_last`), and both beams
@@ -94,23 +98,27 @@ def beam_attention(query: Array, key: Array, value: Array, mask: Array | None,
       rows, num_queries, heads, head_dim)
 
 
-def _prompt_part(query: Array, key: Array, value: Array, mask: Array | None,
-                 bias: Array | None, softcap: float | None, scale: Array, beams: int,
-                 prompt_len: int) -> tuple[Array, Array]:
+def _prompt_part(query: Array, key: Array, value: Array, mask: Array, bias: Array | None,
+                 softcap: float | None, scale: Array, beams: int) -> tuple[Array, Array]:
   """The prompt's masked scores [b, n, j, g, q, L], each row reading the prompt in its own
-  slots, and its values [b, j, n, d, L] (`beam_attention`'s `decoded` case)."""
+  slots (`mask`: those of its prompt), and its values [b, j, n, d, L] (`beam_attention`'s
+  `decoded` case)."""
   rows, num_queries, heads, head_dim = query.shape
   length, kv_heads = key.shape[1], key.shape[2]
   sources, group = rows // beams, heads // kv_heads
   grouped = query.reshape(rows, num_queries, kv_heads, group, head_dim)
   own = jnp.einsum("rqngd,rknd->rngqk", grouped, key, preferred_element_type=jnp.float32)
   own = jnp.swapaxes(own.reshape(sources, beams, *own.shape[1:]), 1, 2)
-  in_prompt = jnp.arange(length) < prompt_len
-  own_mask = in_prompt if mask is None else mask & in_prompt
   by_source = lambda x: _by_source(x, sources, beams, kv_heads, num_queries, length)[:, 0]
-  own = masked_scores(own * scale, by_source(own_mask),
+  own = masked_scores(own * scale, by_source(mask),
                       None if bias is None else by_source(bias), softcap)
   return own, keys_last(value).reshape(sources, beams, kv_heads, head_dim, length)
+
+
+def _gather_slots(x: Array, slots: Array, rows: int) -> Array:
+  """A mask or bias [r|1, h|1, q, L] at each row's `slots` [r, D]: [r, h|1, q, D]."""
+  x = jnp.broadcast_to(x, (rows,) + x.shape[1:])
+  return jnp.take_along_axis(x, slots[:, None, None, :], axis=-1, mode="clip")
 
 
 def _by_source(x: Array, sources: int, beams: int, kv_heads: int, num_queries: int,

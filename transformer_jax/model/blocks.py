@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from transformer_jax.model import attention
 from transformer_jax.model import kernels
+from transformer_jax.model import kv_cache
 from transformer_jax.model import layers
 from transformer_jax.model.schema import TransformerConfig
 
@@ -230,9 +231,8 @@ class DecoderStack(nn.Module):
   """Decoder layers on embedded decoder inputs; `encoded` None = decoder-only.
 
   `positions` [b, len] (packed rows) matter only for a relative position bias, rotary
-  embeddings or a sliding window; while decoding, the cache counts positions instead, less
-  each row's `decode_offset` [b] (see layers.PositionEmbedding), unless they are given
-  (packed prompts filling a cache). `prefix_fill`: the tokens fed while decoding are a prefix
+  embeddings or a sliding window; while decoding, each row's write position in the cache
+  counts them instead (`kv_cache`), unless they are given (packed prompts filling a cache). `prefix_fill`: the tokens fed while decoding are a prefix
   LM's prompt, read both ways. `beams`: rows per source that are one beam search's
   hypotheses (see MultiHeadAttention).
   """
@@ -241,8 +241,8 @@ class DecoderStack(nn.Module):
   @nn.compact
   def __call__(self, y: Array, encoded: Array | None, self_mask: Array | None,
                cross_mask: Array | None, *, deterministic: bool, decode: bool,
-               positions: Array | None = None, decode_offset: Array | None = None,
-               prefix_fill: bool = False, beams: int = 1) -> Array:
+               positions: Array | None = None, prefix_fill: bool = False,
+               beams: int = 1) -> Array:
     c = self.config
     layer = _remat(DecoderLayer, c, static=("deterministic", "decode", "prefix_fill", "beams"))
     num_layers = c.num_decoder_layers or c.num_layers
@@ -252,8 +252,7 @@ class DecoderStack(nn.Module):
     keyed = c.position_embedding == "relative" or any(local)
     query_positions = key_positions = None
     if keyed or c.position_embedding == "rope":
-      query_positions, key_positions = self._positions(y, positions, decode, decode_offset,
-                                                       keyed)
+      query_positions, key_positions = self._positions(y, positions, decode, keyed)
     biases = [None] * num_layers
     if c.position_embedding == "relative":
       biases = _relative_biases(c, num_layers, False, query_positions, key_positions)
@@ -274,15 +273,15 @@ class DecoderStack(nn.Module):
     return y
 
   def _positions(self, y: Array, positions: Array | None, decode: bool,
-                 decode_offset: Array | None, keyed: bool) -> tuple[Array, Array | None]:
+                 keyed: bool) -> tuple[Array, Array | None]:
     """The self-attention's query positions [b|1, len] and, where `keyed`, its key positions
     (the queries' in training). Decoding, the queries are the new tokens' and the cache holds
-    each slot's position beside the keys (written as tokens are fed; rows are beams)."""
+    each slot's position beside the keys (written where each row writes its keys)."""
     length = y.shape[1]
     if not decode:
       positions = _stack_positions(length, positions)
       return positions, positions if keyed else None
-    index, new = self._decode_positions(y.shape[0], length, decode_offset)
+    index, new = kv_cache.decode_positions(self, y.shape[0], length)
     if positions is not None:  # packed prompts filling a cache (prompt_packing.py)
       new = jnp.broadcast_to(positions, new.shape).astype(jnp.int32)
     if not keyed:
@@ -292,22 +291,6 @@ class DecoderStack(nn.Module):
                            jnp.int32)
     if not initialized:  # the init pass only creates the cache
       return new, new
-    cached.value = jax.lax.dynamic_update_slice(cached.value, new, (0, index))
+    cached.value = kv_cache.write(cached.value, new, index)
     return new, cached.value
 
-  def _decode_positions(self, batch_size: int, length: int,
-                        decode_offset: Array | None = None) -> tuple[Array, Array]:
-    """While decoding: (the first cache slot this call writes, the absolute positions
-    [b, len] of the tokens it feeds), from a counter in the cache that every row (beam)
-    shares, less each row's `decode_offset`. The init pass that creates the cache gives
-    0..len-1 and leaves the counter at 0."""
-    initialized = self.has_variable("cache", "position_index")
-    index = self.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
-    start = index.value
-    if initialized:
-      index.value = start + length
-    new = jnp.broadcast_to(start + jnp.arange(length, dtype=jnp.int32),
-                           (batch_size, length))  # [b, len]
-    if decode_offset is not None:
-      new = new - decode_offset[:, None].astype(jnp.int32)
-    return start, new

@@ -1,6 +1,16 @@
-"""The decoding KV cache's layout and its beam-search slots: keys and values kept keys-last,
-the decoded slots of a beam search kept apart from its prompt's, and beams reordered by
-pointing each row at the rows that hold its slots instead of moving keys and values."""
+"""The decoding KV cache: its layout (keys and values kept keys-last), a write position per
+row, and its beam-search slots (the decoded slots of a beam search kept apart from its
+prompt's, and beams reordered by pointing each row at the rows that hold its slots instead of
+moving keys and values).
+
+A cache is the Flax 'cache' collection of a model applied with decode=True: per attention
+layer 'cached_key' / 'cached_value' [rows, n, d, length], and per row a write position,
+'cache_index' (attention layers) and 'position_index' (position embeddings, decoder stacks)
+[rows], where that row's next keys and values go and the position its next token has. Rows
+are independent: each writes at its own position and attends to its own filled slots, so rows
+of different prompt lengths decode side by side without padding between prompt and output,
+and one row can be refilled with a new prompt while the others decode (`insert_rows`).
+"""
 
 from __future__ import annotations
 
@@ -23,6 +33,75 @@ def keys_last(x: Array) -> Array:
 
 def from_keys_last(x: Array) -> Array:
   return jnp.transpose(x, (0, 3, 1, 2))
+
+
+INDEX_NAMES = ("cache_index", "position_index")  # a row's write position, [rows] int32
+
+
+def write(cached: Array, new: Array, index: Array) -> Array:
+  """`new` [rows, ..., q] written into `cached` [rows, ..., length] along the last axis,
+  each row from its own `index` [rows] on (a scatter, in place under jit). `index` of more
+  dimensions [sources, beams] matches as many leading ones."""
+  def write_row(row, new_row, start):
+    return jax.lax.dynamic_update_slice(row, new_row.astype(row.dtype),
+                                        (0,) * (row.ndim - 1) + (start,))
+  for _ in range(index.ndim):
+    write_row = jax.vmap(write_row)
+  return write_row(cached, new, index)
+
+
+def decode_positions(module, rows: int, length: int) -> tuple[Array, Array]:
+  """While decoding: (each row's first cache slot this call writes [rows], the positions
+  [rows, len] of the tokens it feeds), from the row's write position in `module`'s cache
+  ('position_index', `kv_cache`), which the call advances. The init pass that creates the
+  cache gives 0..len-1 and leaves the positions at 0."""
+  initialized = module.has_variable("cache", "position_index")
+  index = module.variable("cache", "position_index", jnp.zeros, (rows,), jnp.int32)
+  start = index.value
+  if initialized:
+    index.value = start + length
+  return start, start[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
+
+
+def visible(index: Array, num_new: int, length: int, prefix_fill: bool = False) -> Array:
+  """[rows, 1, q, length]: the slots the `num_new` tokens written from each row's `index` see:
+  new token i those up to its own slot (causal); with `prefix_fill` every new token sees all
+  of them (a prefix LM's prompt)."""
+  last = index[:, None] + (jnp.full((num_new,), num_new - 1) if prefix_fill
+                           else jnp.arange(num_new))[None, :]  # [rows, q]
+  return (jnp.arange(length)[None, None, :] <= last[:, :, None])[:, None]
+
+
+def with_lengths(cache: Any, lengths: Array) -> Any:
+  """`cache` with every row's write position set to its `lengths` [rows]: after a prefill of
+  right-padded prompts, each row goes on from its own prompt's end (the padding slots after
+  it are written over by its next tokens, and unseen until then)."""
+  lengths = jnp.asarray(lengths, jnp.int32)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: lengths if _name(path) in INDEX_NAMES else x, cache)
+
+
+def insert_rows(cache: Any, rows_cache: Any, row_ids: Array) -> Any:
+  """`cache` with its rows `row_ids` [k] replaced by the k rows of `rows_cache` (a cache of the
+  same layout and length, e.g. new prompts' prefill): refilling slots of a live batch."""
+  return jax.tree.map(lambda x, new: x.at[row_ids].set(new.astype(x.dtype)), cache, rows_cache)
+
+
+def length_and_rows(cache: Any) -> tuple[int, int]:
+  """(slots, rows) of a cache's self-attention keys."""
+  for path, x in jax.tree_util.tree_leaves_with_path(cache):
+    if _name(path) == "cached_key":
+      return x.shape[-1], x.shape[0]
+  raise ValueError("The cache holds no self-attention keys ('cached_key').")
+
+
+def length(cache: Any) -> int:
+  """The slots of each row of a cache: its prompt and output together."""
+  return length_and_rows(cache)[0]
+
+
+def _name(path) -> str | None:
+  return getattr(path[-1], "key", None)
 
 
 def beam_slots(x: Array, slot_rows: Array) -> Array:
@@ -48,7 +127,8 @@ def with_beam_slots(cache: Any, max_len: int, beams: int) -> Any:
       sources, heads, head_dim, _ = tree["cached_key"].shape  # not yet expanded to beams
       shape = (sources, beams, heads, head_dim, max_len)
       tree.update(decoded_key=jnp.zeros(shape, tree["cached_key"].dtype),
-                  decoded_value=jnp.zeros(shape, tree["cached_value"].dtype))
+                  decoded_value=jnp.zeros(shape, tree["cached_value"].dtype),
+                  prompt_length=tree["cache_index"])  # decoded slot t is slot prompt_length + t
     return tree
   return add(cache)
 
@@ -60,7 +140,7 @@ def expand_beams(cache: Any, beams: int) -> Any:
   """Beam search's expansion of a cache filled for `beams` > 1 (decoding.expand_cache): each
   row repeated `beams` times, except `with_beam_slots`' leaves, made per beam already."""
   def expand(path, x):
-    if x.ndim == 0 or getattr(path[-1], "key", None) in _PER_BEAM:
+    if _name(path) in _PER_BEAM:
       return x
     return jnp.repeat(x, beams, axis=0)
   return jax.tree_util.tree_map_with_path(expand, cache)
@@ -70,10 +150,10 @@ def reorder_beams(cache: Any, rows: Array) -> Any:
   """Beam search's reorder of a cache filled with `beams` > 1: row r goes on with the
   hypothesis of row rows[r]. Keys and values stay where they are: each row's slot offsets
   (`beam_attention`) are pointed at the rows that hold its new hypothesis's slots instead.
-  Every other per-row entry of the cache is gathered; scalars are shared."""
+  Every other per-row entry of the cache is gathered."""
   def reorder(path, x):
-    name = getattr(path[-1], "key", None)
-    if x.ndim == 0 or name in ("cached_key", "cached_value") + _PER_BEAM:
+    name = _name(path)
+    if name in ("cached_key", "cached_value") + _PER_BEAM:
       return x
     if name == "slot_rows":
       return x[rows] + (rows - jnp.arange(x.shape[0]))[:, None]

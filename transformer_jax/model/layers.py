@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_jax.model import kv_cache
 from transformer_jax.model import lora as lora_lib
 from transformer_jax.model.schema import LoraSpec
 
@@ -292,18 +293,16 @@ class PositionEmbedding(nn.Module):
   and keys instead).
 
   Positions are explicit for packed examples (`positions`), 0..len-1 otherwise. In decode mode
-  a cache counter gives the absolute position of the tokens fed in this call (unless they are
-  given: packed prompts filling a cache).
+  each row's write position in the cache (`kv_cache`) gives the positions of the tokens fed in
+  this call (unless they are given: packed prompts filling a cache).
   """
   max_len: int
   kind: str = "sinusoidal"  # or "sinusoidal_halves", "sinusoidal_t2t", "learned", ...
   base: float = 10000.0
 
   @nn.compact
-  def __call__(self, x: Array, positions: Array | None = None, *, decode: bool = False,
-               decode_offset: Array | None = None) -> Array:
-    """`decode_offset` [b]: in decode mode, row i's tokens sit offset[i] positions before
-    their cache slots (a decoder-only model's right-padded prompts were filled in first)."""
+  def __call__(self, x: Array, positions: Array | None = None, *,
+               decode: bool = False) -> Array:
     length, dim = x.shape[1], x.shape[2]
     if self.kind in ("relative", "rope"):
       return x
@@ -326,13 +325,9 @@ class PositionEmbedding(nn.Module):
                        "max_source_length / max_target_length / max_decode_len.")
     if decode:
       initialized = self.has_variable("cache", "position_index")
-      index = self.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
-      if initialized:
-        if positions is None:  # given: a packed prompt fill (prompt_packing.py)
-          positions = (index.value + jnp.arange(length))[None, :]
-          if decode_offset is not None:
-            positions = positions - decode_offset[:, None]
-        index.value = index.value + length
+      _, counted = kv_cache.decode_positions(self, x.shape[0], length)
+      if initialized and positions is None:  # given: a packed prompt fill (prompt_packing.py)
+        positions = counted
     if positions is None:
       positions = jnp.arange(length)[None, :]
     return x + jnp.take(table, positions, axis=0).astype(x.dtype)  # [b, len, dim]

@@ -289,19 +289,19 @@ class DecoderOnly(nn.Module):
   def __call__(self, tokens: Array, positions: Array | None = None,
                segmentation: Array | None = None, prefix: Array | None = None, *,
                deterministic: bool = False, decode: bool = False,
-               cache_mask: Array | None = None, decode_offset: Array | None = None,
-               prefix_fill: bool = False, shift: bool = True, beams: int = 1) -> Array:
+               cache_mask: Array | None = None, prefix_fill: bool = False,
+               shift: bool = True, beams: int = 1) -> Array:
     """Logits [b, len, vocab]; the arguments as `states`."""
     return self.logits(self.states(tokens, positions, segmentation, prefix,
                                    deterministic=deterministic, decode=decode,
-                                   cache_mask=cache_mask, decode_offset=decode_offset,
-                                   prefix_fill=prefix_fill, shift=shift, beams=beams))
+                                   cache_mask=cache_mask, prefix_fill=prefix_fill,
+                                   shift=shift, beams=beams))
 
   def states(self, tokens: Array, positions: Array | None = None,
              segmentation: Array | None = None, prefix: Array | None = None, *,
              deterministic: bool = False, decode: bool = False,
-             cache_mask: Array | None = None, decode_offset: Array | None = None,
-             prefix_fill: bool = False, shift: bool = True, beams: int = 1) -> Array:
+             cache_mask: Array | None = None, prefix_fill: bool = False,
+             shift: bool = True, beams: int = 1) -> Array:
     """The last layer's states [b, len, emb], before the output layer.
 
     Training reads `tokens` shifted right (`<bos>` first: logits[t] predict tokens[t]), or,
@@ -309,10 +309,10 @@ class DecoderOnly(nn.Module):
     a pretrained model's tokenizer begins it, with its own BOS or none).
 
     Training: a prefix LM (`config.prefix_lm`) reads the positions marked by `prefix`
-    [b, len] (its source part) both ways. Decoding a batch of right-padded prompts:
-    `cache_mask` [b, 1, 1, cache_len] hides the prompts' padding slots, `decode_offset` [b]
-    keeps each row's positions as in training (see layers.PositionEmbedding),
-    `prefix_fill` has a prefix LM's prompt read both ways, and `beams` > 1 says that each
+    [b, len] (its source part) both ways. Decoding, each row writes its keys and values and
+    counts its positions from its own write position in the cache (`kv_cache`); filling a
+    batch of right-padded prompts, `cache_mask` [b, 1, 1, cache_len] hides the padding slots
+    from a prefix LM's prompt (`prefix_fill`, read both ways), and `beams` > 1 says that each
     prompt's consecutive rows are one beam search's hypotheses (attention.MultiHeadAttention).
     """
     c = self.config
@@ -322,12 +322,11 @@ class DecoderOnly(nn.Module):
       inputs = shift_right(tokens, c.bos_id, segmentation) if shift else tokens
       mask = structured_self_mask(tokens, segmentation, causal=True,
                                   prefix=prefix if c.prefix_lm else None)
-    y = self.positions(self.embedding(inputs), positions, decode=decode,
-                       decode_offset=decode_offset)
+    y = self.positions(self.embedding(inputs), positions, decode=decode)
     y = self.dropout(self.embedding_norm(y), deterministic=deterministic)
     return self.decoder(y, None, mask, None, deterministic=deterministic, decode=decode,
-                        positions=positions, decode_offset=decode_offset,
-                        prefix_fill=prefix_fill and c.prefix_lm, beams=beams)
+                        positions=positions, prefix_fill=prefix_fill and c.prefix_lm,
+                        beams=beams)
 
   def logits(self, states: Array) -> Array:
     """Float32 logits [..., vocab] of `states` [..., emb]."""
