@@ -60,7 +60,7 @@ def _one_call(decoder, rows):
   prompts = np.zeros((len(rows), width), np.int32)
   for i, row in enumerate(rows):
     prompts[i, :len(row.prompt)] = row.prompt
-  settings = batch_decoder._settings(rows, len(rows))  # pylint: disable=protected-access
+  settings = batch_decoder.settings(rows, len(rows))
   ids, logprobs = layout.host_rows(layout.compile_decode(decode)(
       decoder.predictor.device_params, layout.eval_batch(prompts), layout.eval_batch(settings)))
   return [(ids[i, :r.max_tokens], logprobs[i, :r.max_tokens]) for i, r in enumerate(rows)]

@@ -327,9 +327,11 @@ def get_config() -> ml_collections.ConfigDict:
   # that many wait or max_wait_ms after the first; past max_queue waiting rows a request is
   # refused with HTTP 429; n (choices per prompt) is at most max_n. A batch decodes
   # stream_steps tokens per compiled call, and streamed requests get their new text after each
-  # (fewer: sooner text, more host round trips).
+  # (fewer: sooner text, more host round trips). continuous_batching: rows finish and waiting
+  # ones take their slots between those calls (False: each batch decodes to its end).
   config.serve = ml_collections.ConfigDict(dict(
-      max_batch_size=32, max_wait_ms=5.0, max_queue=1024, max_n=8, stream_steps=4))
+      max_batch_size=32, max_wait_ms=5.0, max_queue=1024, max_n=8, stream_steps=4,
+      continuous_batching=True))
   # Save a checkpoint every this many steps, and at the end.
   config.checkpoint_every_steps = 250
   # Keep the newest this many checkpoints.

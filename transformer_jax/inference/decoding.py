@@ -96,9 +96,9 @@ def _run_steps(state: tuple, body: Callable[[tuple], tuple], until: int | Array)
   """Runs `body` while the step is below `until` (max_decode_len, or a segment's end) and some
   row is unfinished."""
 
-  def cond(state):
+  def cond(state):  # `step` and `until` are scalars, or per row (`start_rows`)
     step, finished = state[0], state[3]
-    return (step < until) & ~jnp.all(finished)
+    return jnp.any((step < until) & ~finished)
 
   return jax.lax.while_loop(cond, body, state)
 
@@ -111,30 +111,45 @@ def _decode_step(tokens_to_logits: TokensToLogits, choose: Callable[[Array, Arra
 
   def body(state):
     step, last, sequences, finished, logprobs, cache = state[:6]
+    per_row = jnp.ndim(step) == 1  # each row at its own step (`start_rows`)
     logits, cache = tokens_to_logits(last, cache)  # [rows, vocab]
     logits = logits.astype(jnp.float32)
     if logits_processor is not None:
-      logits = logits_processor(logits, step, sequences)
+      logits = (jax.vmap(lambda x, at, seq: logits_processor(x[None], at, seq[None])[0])(
+          logits, step, sequences) if per_row else logits_processor(logits, step, sequences))
     token = choose(logits, step)  # [rows]
     is_forced = jnp.zeros_like(finished)
     if forced is not None:
-      forced_token = jax.lax.dynamic_index_in_dim(forced, step, axis=1, keepdims=False)
+      forced_token = (jnp.take_along_axis(forced, step[:, None], axis=1, mode="clip")[:, 0]
+                      if per_row else
+                      jax.lax.dynamic_index_in_dim(forced, step, axis=1, keepdims=False))
       is_forced = forced_token != 0
       token = jnp.where(is_forced, forced_token, token)
     token = jnp.where(finished, 0, token)
     chosen_logprob = jnp.where(finished | is_forced, 0.0, token_logprob(logits, token))
     logprobs = logprobs + chosen_logprob
     token = jnp.where(is_forced, token, as_eos(token, eos_id, end_ids))
-    sequences = jax.lax.dynamic_update_slice(sequences, token[:, None], (0, step))
+    sequences = _write_at(sequences, token, step)
     finished = finished | ((token == eos_id) & ~is_forced)
     if row_limits is not None:
       finished = finished | (step + 1 >= row_limits)
+    if per_row:  # the loop runs on for other rows: a row ends where its record does
+      finished = finished | (step + 1 >= sequences.shape[1])
     new_state = (step + 1, token[:, None], sequences, finished, logprobs, cache)
     if len(state) > 6:  # the per-token record is carried only where asked for
-      new_state += (jax.lax.dynamic_update_slice(state[6], chosen_logprob[:, None], (0, step)),)
+      new_state += (_write_at(state[6], chosen_logprob, step),)
     return new_state
 
   return body
+
+
+def _write_at(record: Array, values: Array, step: Array) -> Array:
+  """`record` [rows, length] with `values` [rows] written at column `step`: one for all rows,
+  or each row's own ([rows])."""
+  if jnp.ndim(step) == 0:
+    return jax.lax.dynamic_update_slice(record, values[:, None], (0, step))
+  return jnp.where(jnp.arange(record.shape[1])[None, :] == step[:, None], values[:, None],
+                   record)
 
 
 # Tokens per block of `categorical`'s two-level search.
@@ -350,7 +365,8 @@ def _row_sampler(rng: Array, batch_size: int, copies: int):
       jnp.arange(copies)))(rng)  # [batch, copies] keys
   flat = copy_keys.reshape((batch_size * copies,) + copy_keys.shape[2:])
   one = lambda key, step, logits: categorical(jax.random.fold_in(key, step), logits)
-  return lambda scaled, step: jax.vmap(one, in_axes=(0, None, 0))(flat, step, scaled)
+  return lambda scaled, step: jax.vmap(one, in_axes=(0, 0 if jnp.ndim(step) else None, 0))(
+      flat, step, scaled)
 
 
 # ---- Sampling in segments (a server streaming tokens while it decodes) ---------------------
@@ -369,21 +385,42 @@ def sample_steps(state: tuple, tokens_to_logits: TokensToLogits, rng: Array, *,
                  top_k: int | Array = 0,
                  top_p: float | Array = 1.0, end_ids: Sequence[int] = (),
                  logits_processor: LogitsProcessor | None = None,
-                 row_limits: Array | None = None) -> tuple:
-  """`state` (from `start_sampling`) advanced by up to `steps` tokens, or fewer where every
-  row finishes first. Runs `sample`'s own loop body, so that segments of any size compute
+                 row_limits: Array | None = None, forced: Array | None = None) -> tuple:
+  """`state` (from `start_sampling`, or `start_rows`: each row `steps` further) advanced by up
+  to `steps` tokens, or fewer where every row finishes first. Runs `sample`'s own loop body, so that segments of any size compute
   what one `sample(..., return_logprobs=True, return_token_logprobs=True)` call computes for
   the same arguments (one sample per row, no decoder_prompt); `rng` as `sample`'s.
   (Compiled apart, XLA may sum in another order where the callback's inputs are arguments
-  rather than values of the same program: last-bit differences, docs/serving.md.)"""
+  rather than values of the same program: last-bit differences, docs/serving.md.)
+  `forced`: int [rows, max_decode_len], the token forced at each step of each row, 0 where
+  none is (`forced_tokens`)."""
   check("temperature", temperature, lambda v: v >= 0, ">= 0")
   _check_filter(top_k, top_p)
   rows = state[1].shape[0]
   choose = _sampling_chooser(rng, rows, 1, temperature, top_k, top_p)
-  body = _decode_step(tokens_to_logits, choose, eos_id=eos_id, forced=None, end_ids=end_ids,
+  body = _decode_step(tokens_to_logits, choose, eos_id=eos_id, forced=forced, end_ids=end_ids,
                       logits_processor=logits_processor, row_limits=row_limits)
   until = jnp.minimum(state[0] + steps, state[2].shape[1])
   return _run_steps(state, body, until)
+
+
+def start_rows(cache: Any, *, rows: int, max_decode_len: int) -> tuple:
+  """A `sample_steps` state for a pool of `rows` slots that each decode from their own step
+  (continuous batching): every slot empty (finished) until `refill_rows` gives it a prompt."""
+  state = start_sampling(cache, batch_size=rows, bos_id=0, max_decode_len=max_decode_len)
+  return (jnp.zeros((rows,), jnp.int32),) + state[1:3] + (jnp.ones((rows,), jnp.bool_),) + (
+      state[4:])
+
+
+def refill_rows(state: tuple, cache: Any, row_ids: Array, first_tokens: Array) -> tuple:
+  """A `start_rows` state whose rows `row_ids` [k] start afresh from `first_tokens` [k] with
+  `cache` (the runner's refill of those rows); the other rows go on as they were. Ids past
+  the last row are dropped (padding of a bucketed k)."""
+  def reset(x, value):
+    return x.at[row_ids].set(value, mode="drop")
+  step, last, sequences, finished, logprobs, _, token_logprobs = state
+  return (reset(step, 0), reset(last, first_tokens[:, None]), reset(sequences, 0),
+          reset(finished, False), reset(logprobs, 0.0), cache, reset(token_logprobs, 0.0))
 
 
 def sampling_progress(state: tuple) -> tuple[Array, Array, Array, Array, Array]:

@@ -56,7 +56,7 @@ class Runner:
     """(cache, context, first tokens [k]): the prompts `inputs` [k, P] read into the rows
     `row_ids` [k] of a live `cache` and `context` (a `prefill`'s, one row per prompt, while
     its other rows decode on), each as `prefill` reads a prompt alone: a finished row's slot
-    refilled with a waiting request. The other rows' keys, values and write positions stay
+    refilled with a waiting request. Ids past the last row are dropped (padding). The other rows' keys, values and write positions stay
     as they were, so their outputs do not change."""
     raise NotImplementedError
 
@@ -103,7 +103,7 @@ class EncoderDecoderRunner(Runner):
     inputs = jnp.pad(inputs, ((0, 0), (0, source_len - inputs.shape[1])))
     fresh, new, start = self.prefill(params, inputs, inputs.shape[0], kv_cache.length(cache),
                                      packing)
-    context = jax.tree.map(lambda live, x: live.at[row_ids].set(x), context, new)
+    context = jax.tree.map(lambda live, x: live.at[row_ids].set(x, mode="drop"), context, new)
     starts = jnp.broadcast_to(jnp.asarray(start, jnp.int32), row_ids.shape)
     return kv_cache.insert_rows(cache, fresh, row_ids), context, starts
 

@@ -83,8 +83,10 @@ def with_lengths(cache: Any, lengths: Array) -> Any:
 
 def insert_rows(cache: Any, rows_cache: Any, row_ids: Array) -> Any:
   """`cache` with its rows `row_ids` [k] replaced by the k rows of `rows_cache` (a cache of the
-  same layout and length, e.g. new prompts' prefill): refilling slots of a live batch."""
-  return jax.tree.map(lambda x, new: x.at[row_ids].set(new.astype(x.dtype)), cache, rows_cache)
+  same layout and length, e.g. new prompts' prefill): refilling slots of a live batch. Ids
+  past the last row are dropped (padding of a bucketed k)."""
+  return jax.tree.map(lambda x, new: x.at[row_ids].set(new.astype(x.dtype), mode="drop"),
+                      cache, rows_cache)
 
 
 def length_and_rows(cache: Any) -> tuple[int, int]:

@@ -97,16 +97,9 @@ class BatchDecoder:
         per row (decoding.sample_steps: `decoding.sample`'s own loop body), and the outputs so
         far, `progress` = {step, finished, ids, logprobs} per row.
     """
-    d, family, length, steps = decoding_config, self.family, self.max_new_tokens, (
-        self.stream_steps)
-    end_ids = tuple(d.end_ids)
-    # The checkpoint's logits processors (banned ids, min length, ...) apply to every request,
-    # as they do in --mode predict.
-    processor = decoding.make_logits_processor(
-        eos_id=tokenizer_lib.EOS_ID, end_ids=end_ids, min_length=d.min_length,
-        banned_ids=tuple(d.banned_ids), repetition_penalty=d.repetition_penalty,
-        no_repeat_ngram_size=d.no_repeat_ngram_size, forced_bos_id=d.forced_bos_id,
-        forced_eos=d.forced_eos)
+    family, length, steps = self.family, self.max_new_tokens, self.stream_steps
+    end_ids = tuple(decoding_config.end_ids)
+    processor = logits_processor(decoding_config)
 
     def start(params, prompts, rows):
       del rows  # the settings matter from the first token on
@@ -117,11 +110,7 @@ class BatchDecoder:
 
     def advance(params, carried, rows):
       state, context = carried
-      # Keys derived here, in the decoding thread's program: a JAX call on the server's event
-      # loop would wait for the batch being decoded.
-      keys = jax.vmap(lambda seed, prompt, choice: jax.random.fold_in(
-          jax.random.fold_in(jax.random.PRNGKey(seed), prompt), choice))(
-              rows["seed"], rows["prompt_index"], rows["choice"])
+      keys = row_keys(rows)
       state = decoding.sample_steps(
           state, family.runner.step_logits(params, context), keys, steps=steps,
           eos_id=tokenizer_lib.EOS_ID, end_ids=end_ids, temperature=rows["temperature"],
@@ -133,6 +122,10 @@ class BatchDecoder:
       return (state, context), progress
 
     return start, advance
+
+  def prompt_bucket(self, length: int) -> int:
+    """The padded length of a batch whose longest prompt has `length` tokens."""
+    return generate.bucket_length(length, self.max_source_length)
 
   def shapes(self) -> list[tuple[int, int]]:
     """Every (prompt length, rows) bucket a batch can take."""
@@ -159,7 +152,7 @@ class BatchDecoder:
     """Outputs of up to max_batch_size rows, in order."""
     if not rows or len(rows) > self.max_batch_size:
       raise ValueError(f"A batch holds 1 to {self.max_batch_size} rows, not {len(rows)}.")
-    length = generate.bucket_length(max(len(r.prompt) for r in rows), self.max_source_length)
+    length = self.prompt_bucket(max(len(r.prompt) for r in rows))
     count = generate.batch_bucket(len(rows), self.max_batch_size, self.layout.eval_devices)
     prompts = np.zeros((count, length), np.int32)
     for i, row in enumerate(rows):
@@ -174,7 +167,7 @@ class BatchDecoder:
       by_class = np.zeros(scores.shape, np.float32)
       np.put_along_axis(by_class, ids[:, :, 0], scores, axis=1)
       return [Output(np.zeros((0,), np.int32), by_class[i]) for i in range(len(rows))]
-    settings = layout.eval_batch(_settings(rows, count))
+    settings = layout.eval_batch(settings(rows, count))
     params = self.predictor.device_params
     carried = self._start(params, layout.eval_batch(prompts), settings)
     told = [0] * len(rows)  # tokens each row's on_tokens has been given
@@ -185,10 +178,10 @@ class BatchDecoder:
       carried, following = self._advance(params, carried, settings)
       progress = layout.host_rows(progress)
       for i, row in enumerate(rows):
-        ids, logprobs = _so_far(progress, i, row.max_tokens)
+        ids, logprobs = so_far(progress, i, row.max_tokens)
         if row.on_tokens is not None and len(ids) > told[i]:
           told[i] = len(ids)
-          _tell(row, ids, logprobs)
+          tell(row, ids, logprobs)
       # Every row stops at its max_tokens (<= max_new_tokens), so the second test is a guard.
       if progress["finished"][:len(rows)].all() or progress["step"].min() >= (
           self.max_new_tokens):
@@ -198,7 +191,7 @@ class BatchDecoder:
             for i, row in enumerate(rows)]
 
 
-def _so_far(progress: dict[str, np.ndarray], i: int, max_tokens: int
+def so_far(progress: dict[str, np.ndarray], i: int, max_tokens: int
             ) -> tuple[np.ndarray, np.ndarray]:
   """Row i's tokens decoded so far (through its EOS, within its max_tokens), and their
   log-probabilities."""
@@ -208,7 +201,7 @@ def _so_far(progress: dict[str, np.ndarray], i: int, max_tokens: int
   return ids[:count], progress["logprobs"][i, :count]
 
 
-def _tell(row: Row, ids: np.ndarray, logprobs: np.ndarray) -> None:
+def tell(row: Row, ids: np.ndarray, logprobs: np.ndarray) -> None:
   """Hands a streaming row its tokens; a listener's failure (a client gone) is not the
   batch's."""
   try:
@@ -217,7 +210,7 @@ def _tell(row: Row, ids: np.ndarray, logprobs: np.ndarray) -> None:
     logging.exception("Handing a row its streamed tokens failed.")
 
 
-def _settings(rows: Sequence[Row], count: int) -> dict[str, np.ndarray]:
+def settings(rows: Sequence[Row], count: int) -> dict[str, np.ndarray]:
   """Per-row settings, padded to `count` rows with greedy one-token rows."""
   pad = count - len(rows)
   column = lambda values, dtype, fill: np.asarray(list(values) + [fill] * pad, dtype)
@@ -229,6 +222,26 @@ def _settings(rows: Sequence[Row], count: int) -> dict[str, np.ndarray]:
       "seed": column((r.seed % 2**31 for r in rows), np.int32, 0),
       "prompt_index": column((r.prompt_index for r in rows), np.int32, 0),
       "choice": column((r.choice for r in rows), np.int32, 0)}
+
+
+def logits_processor(decoding_config):
+  """The checkpoint's logits processors (banned ids, min length, ...): they apply to every
+  request, as they do in --mode predict."""
+  d = decoding_config
+  return decoding.make_logits_processor(
+      eos_id=tokenizer_lib.EOS_ID, end_ids=tuple(d.end_ids), min_length=d.min_length,
+      banned_ids=tuple(d.banned_ids), repetition_penalty=d.repetition_penalty,
+      no_repeat_ngram_size=d.no_repeat_ngram_size, forced_bos_id=d.forced_bos_id,
+      forced_eos=d.forced_eos)
+
+
+def row_keys(rows: dict) -> jax.Array:
+  """Each row's sampling key, fold_in(fold_in(PRNGKey(seed), prompt_index), choice), derived
+  in the decoding thread's program: a JAX call on the server's event loop would wait for the
+  batch being decoded."""
+  return jax.vmap(lambda seed, prompt, choice: jax.random.fold_in(
+      jax.random.fold_in(jax.random.PRNGKey(seed), prompt), choice))(
+          rows["seed"], rows["prompt_index"], rows["choice"])
 
 
 def max_new_tokens(family, config) -> int:

@@ -1,6 +1,9 @@
-"""The request queue and the one thread that decodes it in batches.
+"""The request queue and the one thread that decodes it.
 
-Requests put their rows (a prompt x n choices each) on a queue; the decode thread takes the
+Requests put their rows (a prompt x n choices each) on a queue. With a slot pool (continuous
+batching, slot_pool.py: every sequence model unless serve.continuous_batching is off) the
+decode thread reads waiting rows into the pool's free slots between segments, and answers each
+row when it finishes. Otherwise (a classifier) it takes the
 first waiting row, then more until serve.max_batch_size rows or serve.max_wait_ms have
 passed, and decodes them as one batch (rows of different requests and settings together:
 batch_decoder.py). Requests the server has received but is still reading (`arriving`, counted
@@ -21,6 +24,7 @@ from typing import Sequence
 from absl import logging
 
 from transformer_jax.serving import batch_decoder
+from transformer_jax.serving import slot_pool
 
 
 # How long a batch may wait, beyond serve.max_wait_ms, for requests already received.
@@ -34,8 +38,10 @@ class QueueFullError(Exception):
 class Engine:
   """Batches rows submitted from any thread onto `decoder`, in one background thread."""
 
-  def __init__(self, decoder: batch_decoder.BatchDecoder, max_wait_ms: float, max_queue: int):
+  def __init__(self, decoder: batch_decoder.BatchDecoder, max_wait_ms: float, max_queue: int,
+               pool: slot_pool.SlotPool | None = None):
     self.decoder = decoder
+    self.pool = pool
     self.max_wait = max_wait_ms / 1000
     self.max_queue = max_queue
     self._queue: queue.Queue = queue.Queue()
@@ -65,15 +71,18 @@ class Engine:
     self._queue.put(None)
     self._thread.join()
 
-  def _take(self) -> list | None:
-    """The next batch: the first waiting row, then up to max_batch_size within max_wait of
-    it; None once closed."""
-    first = self._queue.get()
+  def _take(self, limit: int, block: bool = True) -> list | None:
+    """The next rows: the first waiting row (None once closed; without `block`, [] when none
+    waits), then up to `limit` within max_wait of it."""
+    try:
+      first = self._queue.get(block=block)
+    except queue.Empty:
+      return []
     if first is None:
       return None
     batch = [first]
     deadline = time.monotonic() + self.max_wait
-    while len(batch) < self.decoder.max_batch_size:
+    while len(batch) < limit:
       now = time.monotonic()
       waiting = now < deadline or (self.arriving > 0 and now < deadline + ARRIVING_WAIT_S)
       try:
@@ -92,13 +101,46 @@ class Engine:
     return batch
 
   def _loop(self) -> None:
+    if self.pool is not None:
+      return self._continuous_loop()
     while True:
-      batch = self._take()
+      batch = self._take(self.decoder.max_batch_size)
       if batch is None:
         return
       live = [(row, future) for row, future in batch if future.set_running_or_notify_cancel()]
       if live:
         self._decode(live)
+
+  def _continuous_loop(self) -> None:
+    """Rows enter the pool's free slots between segments; each is answered as it finishes.
+    Once closed, the rows in the pool finish first."""
+    pool, closing = self.pool, False
+    while not closing or pool.live():
+      if not closing and pool.free():
+        # Wait for a row only while the pool is idle; else take what waits now.
+        taken = self._take(pool.free(), block=not pool.live())
+        closing = taken is None
+        live = [(row, f) for row, f in taken or [] if f.set_running_or_notify_cancel()]
+        if live:
+          self._pool_call(pool.admit, [row for row, _ in live], [f for _, f in live])
+      if pool.live():
+        for future, output in self._pool_call(pool.advance) or []:
+          future.set_result(output)
+
+  def _pool_call(self, call, *args):
+    """A pool call; where it fails, every row in the pool fails with it (the pool starts
+    afresh for the rows that come next)."""
+    try:
+      return call(*args)
+    except Exception as e:  # pylint: disable=broad-except
+      logging.exception("Decoding in the slot pool failed.")
+      handles = self.pool.fail_all()
+      if args and not handles:
+        handles = list(args[1])
+      for future in handles:
+        if not future.done():
+          future.set_exception(e)
+      return None
 
   def _decode(self, batch: list) -> None:
     start = time.monotonic()

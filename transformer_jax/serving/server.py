@@ -25,6 +25,7 @@ from transformer_jax import default_config
 from transformer_jax import predict
 from transformer_jax.serving import app as app_lib
 from transformer_jax.serving import batch_decoder
+from transformer_jax.serving import slot_pool
 from transformer_jax.serving import engine as engine_lib
 
 API_KEY_VARIABLE = "TRANSFORMER_JAX_API_KEY"  # the API key, where --api_key is not given
@@ -106,24 +107,28 @@ def run_serve(predictor: predict.Predictor, name: str, host: str = "127.0.0.1",
   with predictor.config.unlocked():
     predictor.config.serve = serve
   decoder = batch_decoder.BatchDecoder(predictor, serve.max_batch_size, serve.stream_steps)
-  shapes = decoder.shapes()
+  pool = (slot_pool.SlotPool(decoder) if serve.get("continuous_batching", True)
+          and not decoder.classifier else None)
+  compiled = pool or decoder  # what is compiled per shape: the pool's refills, or batches
+  shapes = compiled.shapes()
   start = time.perf_counter()
+  what = "new rows" if pool else "batch shape"
 
   def progress(done: int, total: int, shape: tuple[int, int]) -> None:
-    print(f"Compiling batch shape {done + 1}/{total}: {shape[1]} rows of {shape[0]} prompt "
+    print(f"Compiling {what} {done + 1}/{total}: {shape[1]} rows of {shape[0]} prompt "
           f"tokens ({time.perf_counter() - start:.0f} s so far).", file=sys.stderr, flush=True)
 
-  decoder.warm_up(progress, shapes[:1])  # the smallest: answering starts once it is ready
+  compiled.warm_up(progress, shapes[:1])  # the smallest: answering starts once it is ready
 
   stopping = threading.Event()
 
   def compile_the_rest():  # until shutdown, which waits for the shape in progress
-    if decoder.warm_up(progress, shapes[1:], stopping):
-      print(f"Compiled all {len(shapes)} batch shapes (prompts up to "
+    if compiled.warm_up(progress, shapes[1:], stopping):
+      print(f"Compiled all {len(shapes)} {what} shapes (prompts up to "
             f"{decoder.max_source_length} tokens, up to {decoder.max_batch_size} rows) in "
             f"{time.perf_counter() - start:.0f} s.", file=sys.stderr, flush=True)
 
-  engine = engine_lib.Engine(decoder, serve.max_wait_ms, serve.max_queue)
+  engine = engine_lib.Engine(decoder, serve.max_wait_ms, serve.max_queue, pool)
   app = app_lib.create_app(app_lib.Service(predictor, engine, name), api_key)
   server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
                                          timeout_graceful_shutdown=300))

@@ -1,0 +1,216 @@
+"""Continuous batching: a fixed pool of row slots that decode side by side, each at its own
+step (the KV cache's write position per row, model/kv_cache.py). Between segments of
+serve.stream_steps tokens, rows that finished leave and waiting rows are read into the free
+slots (`runner.refill`) while the others decode on, so a short request is not held behind a
+long one and a request that arrives mid-batch starts at the next segment.
+
+The pool's cache holds the longest prompt and the longest output (max_source_length +
+max_new_tokens slots per row; an encoder-decoder's sources max_source_length tokens), so
+every row the server admits fits. New rows are read in (k rows, prompt length) buckets, k a
+power of two: one compiled refill per bucket, and one compiled segment for the pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer_jax import tokenizer as tokenizer_lib
+from transformer_jax.inference import decoding
+from transformer_jax.serving import batch_decoder
+
+
+@dataclasses.dataclass
+class _Slot:
+  row: batch_decoder.Row
+  handle: Any  # what `advance` hands back with the row's output (the engine's future)
+  told: int = 0  # tokens the row's on_tokens has been given
+  limit: int = 1  # the row's max_tokens, within decoding.max_total_len
+
+
+class SlotPool:
+  """`decoder`'s model (a batch_decoder.BatchDecoder of a sequence family) decoding a pool of
+  its max_batch_size rows continuously. Used from one thread (the engine's), except
+  `warm_up`, which compiles on a scratch pool of its own."""
+
+  def __init__(self, decoder: batch_decoder.BatchDecoder):
+    self.decoder = decoder
+    self.family, self.layout = decoder.family, decoder.layout
+    self.rows = decoder.max_batch_size
+    self.parts = self.layout.decode_parts  # parts of the rows that run programs of their own
+    self.rows_per_part = self.rows // self.parts
+    self.k_buckets = batch_decoder.power_of_two_buckets(
+        self.layout.eval_devices // self.parts, self.rows_per_part)
+    self.source_length = decoder.length_buckets[-1]
+    empty, refill, advance = self._functions(decoder.predictor.config.decoding)
+    self._empty = self.layout.compile_decode(empty)
+    self._refill = self.layout.compile_decode_steps(refill)
+    self._advance = self.layout.compile_decode_steps(advance)
+    self.slots: list[_Slot | None] = [None] * self.rows
+    self._carried = None
+
+  def _functions(self, decoding_config) -> tuple[Callable, Callable, Callable]:
+    """The compiled pieces, each on one part's rows: empty(params, dummy prompts) -> a pool of
+    free slots; refill(params, carried, new rows) -> carried; advance(params, carried,
+    settings) -> (carried, progress), as BatchDecoder's segments."""
+    family, runner = self.family, self.family.runner
+    max_new, steps = self.decoder.max_new_tokens, self.decoder.stream_steps
+    end_ids = tuple(decoding_config.end_ids)
+    processor = batch_decoder.logits_processor(decoding_config)
+
+    def empty(params, prompts, settings):
+      del settings
+      cache, context, _ = runner.prefill(params, prompts, prompts.shape[0], max_new)
+      state = decoding.start_rows(cache, rows=prompts.shape[0], max_decode_len=max_new)
+      return state, context, jnp.zeros((prompts.shape[0],), jnp.int32)
+
+    def refill(params, carried, new):
+      state, context, forced_firsts = carried
+      inputs, forced_first, row_starts = family.split_prompt(new["prompts"])
+      cache, context, starts = runner.refill(params, state[5], context, new["row_ids"],
+                                             inputs)
+      starts = starts if row_starts is None else row_starts
+      forced_firsts = forced_firsts.at[new["row_ids"]].set(
+          0 if forced_first is None else forced_first, mode="drop")
+      return decoding.refill_rows(state, cache, new["row_ids"], starts), context, forced_firsts
+
+    def advance(params, carried, rows):
+      state, context, forced_firsts = carried
+      keys = batch_decoder.row_keys(rows)
+      forced = jnp.zeros((forced_firsts.shape[0], max_new), jnp.int32).at[:, 0].set(
+          forced_firsts)  # a many-direction workdir's target code, first
+      state = decoding.sample_steps(
+          state, runner.step_logits(params, context), keys, steps=steps,
+          eos_id=tokenizer_lib.EOS_ID, end_ids=end_ids, temperature=rows["temperature"],
+          top_k=rows["top_k"], top_p=rows["top_p"], row_limits=rows["max_tokens"],
+          logits_processor=processor, forced=forced)
+      step, finished, ids, _, logprobs = decoding.sampling_progress(state)
+      return (state, context, forced_firsts), {"step": step, "finished": finished, "ids": ids,
+                                               "logprobs": logprobs}
+
+    return empty, refill, advance
+
+  # ---- The pool, from the engine's thread ------------------------------------------------
+
+  def free(self) -> int:
+    return sum(slot is None for slot in self.slots)
+
+  def live(self) -> int:
+    return self.rows - self.free()
+
+  def _params(self):
+    return self.decoder.predictor.device_params
+
+  def _start(self):
+    """The pool's state: every slot free (dummy prompts read, marked finished)."""
+    prompts = np.full((self.rows, self.source_length), 3, np.int32)
+    return self._empty(self._params(), self.layout.eval_batch(prompts),
+                       self.layout.eval_batch(batch_decoder.settings([], self.rows)))
+
+  def admit(self, rows: Sequence[batch_decoder.Row], handles: Sequence[Any]) -> None:
+    """Reads `rows` (at most `free()`) into free slots; `handles` come back with their
+    outputs from `advance`."""
+    if self._carried is None:
+      self._carried = self._start()
+    free = [i for i, slot in enumerate(self.slots) if slot is None]
+    if len(rows) > len(free):
+      raise ValueError(f"{len(rows)} rows cannot enter a pool with {len(free)} free slots.")
+    limits = self._limits(rows)
+    by_part: list[list[tuple[int, batch_decoder.Row]]] = [[] for _ in range(self.parts)]
+    for slot, row, handle, limit in zip(free, rows, handles, limits):
+      self.slots[slot] = _Slot(row, handle, limit=limit)
+      by_part[slot // self.rows_per_part].append((slot % self.rows_per_part, row))
+    length = max(self.decoder.prompt_bucket(len(row.prompt)) for row in rows)
+    # Rows enter in buckets of k per part; a part's unused entries point past its rows
+    # (dropped by the refill).
+    count = max(map(len, by_part))
+    while count:
+      k = next(b for b in self.k_buckets if b >= min(count, self.k_buckets[-1]))
+      batch = [part[:k] for part in by_part]
+      by_part = [part[k:] for part in by_part]
+      count = max(map(len, by_part))
+      self._carried = self._refill(self._params(), self._carried,
+                                   self._new_rows(batch, k, length))
+
+  def _limits(self, rows: Sequence[batch_decoder.Row]) -> list[int]:
+    """Each row's max_tokens, within what decoding.max_total_len leaves after its prompt."""
+    prompts = np.zeros((len(rows), max(len(r.prompt) for r in rows)), np.int32)
+    for i, row in enumerate(rows):
+      prompts[i, :len(row.prompt)] = row.prompt
+    limits = self.family.output_limits(prompts, self.decoder.predictor.config.decoding)
+    return [row.max_tokens if limits is None else max(1, min(row.max_tokens, int(limit)))
+            for row, limit in zip(rows, np.asarray(limits) if limits is not None else rows)]
+
+  def _new_rows(self, batch: list[list[tuple[int, batch_decoder.Row]]], k: int,
+                length: int) -> dict:
+    ids = np.full((self.parts, k), self.rows_per_part, np.int32)  # past the rows: dropped
+    prompts = np.zeros((self.parts, k, length), np.int32)
+    for part, entries in enumerate(batch):
+      for i, (slot, row) in enumerate(entries):
+        ids[part, i] = slot
+        prompts[part, i, :len(row.prompt)] = row.prompt
+    return self.layout.eval_batch({"row_ids": ids.reshape(-1),
+                                   "prompts": prompts.reshape(self.parts * k, length)})
+
+  def advance(self) -> list[tuple[Any, batch_decoder.Output]]:
+    """One segment of every live row; streaming rows get their tokens so far. Returns the
+    (handle, output) of each row that finished, whose slot is free again."""
+    settings = batch_decoder.settings(
+        [dataclasses.replace(slot.row, max_tokens=slot.limit) if slot else
+         batch_decoder.Row(np.zeros((1,), np.int32)) for slot in self.slots], self.rows)
+    self._carried, progress = self._advance(self._params(), self._carried,
+                                            self.layout.eval_batch(settings))
+    progress = self.layout.host_rows(progress)
+    done = []
+    for i, slot in enumerate(self.slots):
+      if slot is None:
+        continue
+      ids, logprobs = batch_decoder.so_far(progress, i, slot.limit)
+      if slot.row.on_tokens is not None and len(ids) > slot.told:
+        slot.told = len(ids)
+        batch_decoder.tell(slot.row, ids, logprobs)
+      if progress["finished"][i] or progress["step"][i] >= slot.limit:
+        done.append((slot.handle, batch_decoder.Output(ids, logprobs)))
+        self.slots[i] = None
+    return done
+
+  def fail_all(self) -> list[Any]:
+    """Empties the pool after a failed call; returns the handles of the rows it held."""
+    handles = [slot.handle for slot in self.slots if slot is not None]
+    self.slots = [None] * self.rows
+    self._carried = None
+    return handles
+
+  # ---- Compiling ahead ---------------------------------------------------------------------
+
+  def shapes(self) -> list[tuple[int, int]]:
+    """Every (prompt length, new rows per part) bucket a refill can take."""
+    return [(length, k) for length in self.decoder.length_buckets for k in self.k_buckets]
+
+  def warm_up(self, progress: Callable[[int, int, tuple[int, int]], None] | None = None,
+              shapes: Sequence[tuple[int, int]] | None = None,
+              stop: threading.Event | None = None) -> bool:
+    """Compiles the refills of `shapes` (default: every one) and the pool's segment on a
+    scratch pool (the live one is the engine thread's), telling `progress` (index, count,
+    shape) before each; stops between shapes once `stop` is set. Returns whether it compiled
+    them all."""
+    every = self.shapes()
+    scratch, first = self._start(), True
+    for length, k in every if shapes is None else shapes:
+      if stop is not None and stop.is_set():
+        return False
+      if progress:
+        progress(every.index((length, k)), len(every), (length, k))
+      batch = [[(i, batch_decoder.Row(np.full((length,), 3, np.int32))) for i in range(k)]
+               for _ in range(self.parts)]
+      scratch = self._refill(self._params(), scratch, self._new_rows(batch, k, length))
+      if first:
+        scratch, _ = self._advance(self._params(), scratch, self.layout.eval_batch(
+            batch_decoder.settings([], self.rows)))
+        first = False
+    return True
