@@ -167,15 +167,15 @@ class BatchDecoder:
       by_class = np.zeros(scores.shape, np.float32)
       np.put_along_axis(by_class, ids[:, :, 0], scores, axis=1)
       return [Output(np.zeros((0,), np.int32), by_class[i]) for i in range(len(rows))]
-    settings = layout.eval_batch(settings(rows, count))
+    row_settings = layout.eval_batch(settings(rows, count))
     params = self.predictor.device_params
-    carried = self._start(params, layout.eval_batch(prompts), settings)
+    carried = self._start(params, layout.eval_batch(prompts), row_settings)
     told = [0] * len(rows)  # tokens each row's on_tokens has been given
-    carried, progress = self._advance(params, carried, settings)
+    carried, progress = self._advance(params, carried, row_settings)
     while True:
       # The next segment is queued before this one's tokens are read, so that the device does
       # not wait for the host (after the last one it runs no step: every row has finished).
-      carried, following = self._advance(params, carried, settings)
+      carried, following = self._advance(params, carried, row_settings)
       progress = layout.host_rows(progress)
       for i, row in enumerate(rows):
         ids, logprobs = so_far(progress, i, row.max_tokens)
