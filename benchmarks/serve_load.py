@@ -12,8 +12,15 @@ temperature (the server batches them together). With `--fixed_length` every outp
 `--max_tokens` long (config.decoding.min_length: no EOS before it, as vLLM's benchmarks
 use ignore_eos); otherwise outputs end where the model ends them. Arguments after `--` go to
 the server (e.g. --config.serve.max_batch_size=16). With `--stream` the requests are
-streamed and the table adds the median time to the first chunk carrying text. Prints a
-Markdown table.
+streamed and the table adds the median time to the first chunk carrying text. With
+`--mixed LOW,HIGH` each request asks for its own max_tokens, drawn from LOW..HIGH (a mixed
+workload), and the table adds the p50 latency of the short ones (max_tokens <= `--short`).
+`--compare_static` runs the sweep twice, against a server that decodes each batch to its end
+(serve.continuous_batching=False) and one with continuous batching. Prints a Markdown table.
+
+  python benchmarks/serve_load.py --smollm2_135m /tmp/smollm2_135m --requests 128 \
+      --mixed 8,128 --compare_static -- --config.max_source_length=16 \
+      --config.max_target_length=128
 """
 
 from __future__ import annotations
@@ -59,11 +66,11 @@ def post(url: str, body: dict) -> dict:
     raise SystemExit(f"{body} -> HTTP {e.code}: {e.read().decode()}") from e
 
 
-def start_server(args, port: int, log) -> subprocess.Popen:
+def start_server(args, port: int, log, server_args: list[str]) -> subprocess.Popen:
   model = ["--workdir", args.workdir] if args.workdir else ["--pretrained", args.pretrained]
   extra = [f"--config.decoding.min_length={args.max_tokens}"] if args.fixed_length else []
   command = [sys.executable, "-m", "transformer_jax.main", "--mode", "serve", "--port",
-             str(port), *model, *extra, *args.server_args]
+             str(port), *model, *extra, *args.server_args, *server_args]
   process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=log)
   deadline = time.time() + args.start_timeout
   while time.time() < deadline:
@@ -98,6 +105,13 @@ def post_streamed(url: str, body: dict) -> tuple[float, int]:
   return (first if first is not None else time.perf_counter() - start), tokens
 
 
+def request_max_tokens(i: int, max_tokens: int, mixed: tuple[int, int] | None) -> int:
+  """Request i's max_tokens: `max_tokens`, or drawn from the `mixed` range (fixed by i)."""
+  if mixed is None:
+    return max_tokens
+  return int(np.random.default_rng(i).integers(mixed[0], mixed[1] + 1))
+
+
 def request_body(i: int, max_tokens: int, max_words: int = 0) -> dict:
   words = SENTENCES[i % len(SENTENCES)].split()
   body = {"prompt": " ".join(words[:max_words or None]), "max_tokens": max_tokens}
@@ -109,21 +123,26 @@ def request_body(i: int, max_tokens: int, max_words: int = 0) -> dict:
 
 
 def measure(url: str, concurrency: int, count: int, max_tokens: int, max_words: int,
-            stream: bool = False) -> dict:
+            stream: bool = False, mixed: tuple[int, int] | None = None,
+            short: int = 0) -> dict:
   """Sends `count` requests from `concurrency` clients; the round's statistics (with
-  `stream`, streamed requests and their time to the first text)."""
-  latencies, tokens, firsts = [], [], []
+  `stream`, streamed requests and their time to the first text; with `mixed`, the p50
+  latency of the requests of at most `short` tokens)."""
+  latencies, tokens, firsts, short_latencies = [], [], [], []
 
   def one(i: int):
     start = time.perf_counter()
+    limit = request_max_tokens(i, max_tokens, mixed)
     if stream:
-      first, count = post_streamed(url, request_body(i, max_tokens, max_words))
+      first, count = post_streamed(url, request_body(i, limit, max_words))
       firsts.append(first)
       tokens.append(count)
     else:
-      tokens.append(post(url, request_body(i, max_tokens, max_words))["usage"][
+      tokens.append(post(url, request_body(i, limit, max_words))["usage"][
           "completion_tokens"])
     latencies.append(time.perf_counter() - start)
+    if limit <= short:
+      short_latencies.append(latencies[-1])
 
   start = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
@@ -133,7 +152,9 @@ def measure(url: str, concurrency: int, count: int, max_tokens: int, max_words: 
           "tokens_per_s": sum(tokens) / elapsed, "tokens_per_request": np.mean(tokens),
           "p50_s": float(np.percentile(latencies, 50)),
           "p99_s": float(np.percentile(latencies, 99)),
-          "first_p50_s": float(np.percentile(firsts, 50)) if firsts else float("nan")}
+          "first_p50_s": float(np.percentile(firsts, 50)) if firsts else float("nan"),
+          "short_p50_s": (float(np.percentile(short_latencies, 50)) if short_latencies
+                          else float("nan"))}
 
 
 def make_smollm2_135m(folder: str) -> str:
@@ -171,34 +192,56 @@ def main():
   parser.add_argument("--stream", action="store_true",
                       help="streamed requests; also reports the time to the first text")
   parser.add_argument("--start_timeout", type=float, default=1800)
+  parser.add_argument("--mixed", metavar="LOW,HIGH",
+                      help="each request's max_tokens drawn from LOW..HIGH")
+  parser.add_argument("--short", type=int, default=32,
+                      help="with --mixed: the p50 latency of requests of at most this many")
+  parser.add_argument("--compare_static", action="store_true",
+                      help="the sweep against static batching, then continuous batching")
   parser.add_argument("server_args", nargs="*")
   args = parser.parse_args()
   if args.smollm2_135m:
     if not os.path.exists(os.path.join(args.smollm2_135m, "config.json")):
       make_smollm2_135m(args.smollm2_135m)
     args.pretrained = args.smollm2_135m
+  mixed = tuple(int(x) for x in args.mixed.split(",")) if args.mixed else None
+  sides = ([("static", ["--config.serve.continuous_batching=false"]), ("continuous", [])]
+           if args.compare_static else [(None, [])])
+  first = " p50 time to first text |" if args.stream else ""
+  short = f" p50 latency, max_tokens <= {args.short} |" if mixed else ""
+  print(("| server " if args.compare_static else "") +
+        "| concurrency | requests | requests/s | generated tokens/s | tokens/request | "
+        f"p50 latency | p99 latency |{first}{short}\n" + "|---" * args.compare_static +
+        "|---|---|---|---|---|---|---|" + "---|" * (args.stream + bool(mixed)), flush=True)
+  for label, server_args in sides:
+    sweep(args, server_args, label, mixed)
+
+
+def sweep(args, server_args: list[str], label: str | None,
+          mixed: tuple[int, int] | None) -> None:
+  """Starts a server, measures each concurrency, prints a table row each, stops it."""
   port = free_port()
   url = f"http://127.0.0.1:{port}/v1/completions"
   with tempfile.NamedTemporaryFile("w+", prefix="serve_load_", suffix=".log",
                                    delete=False) as log:
     start = time.perf_counter()
-    server = start_server(args, port, log)
-    print(f"Server ready in {time.perf_counter() - start:.0f} s (log: {log.name})", flush=True)
+    server = start_server(args, port, log, server_args)
+    print(f"Server{' (' + label + ')' if label else ''} ready in "
+          f"{time.perf_counter() - start:.0f} s (log: {log.name})", flush=True)
     try:
       levels = [int(c) for c in args.concurrency.split(",")]
       measure(url, max(levels), max(levels), args.max_tokens, args.max_words,
-              args.stream)  # warm-up
-      first = " p50 time to first text |" if args.stream else ""
-      print("| concurrency | requests | requests/s | generated tokens/s | tokens/request | "
-            f"p50 latency | p99 latency |{first}\n|---|---|---|---|---|---|---|"
-            + "---|" * args.stream)
+              args.stream, mixed, args.short)  # warm-up
       for level in levels:
         r = measure(url, level, max(args.requests, level), args.max_tokens, args.max_words,
-                    args.stream)
+                    args.stream, mixed, args.short)
         first = f" {r['first_p50_s'] * 1000:.0f} ms |" if args.stream else ""
-        print(f"| {level} | {r['requests']} | {r['requests_per_s']:.2f} | "
+        short = f" {r['short_p50_s'] * 1000:.0f} ms |" if mixed else ""
+        print((f"| {label} " if label else "") +
+              f"| {level} | {r['requests']} | {r['requests_per_s']:.2f} | "
               f"{r['tokens_per_s']:.0f} | {r['tokens_per_request']:.1f} | "
-              f"{r['p50_s'] * 1000:.0f} ms | {r['p99_s'] * 1000:.0f} ms |{first}", flush=True)
+              f"{r['p50_s'] * 1000:.0f} ms | {r['p99_s'] * 1000:.0f} ms |{first}{short}",
+              flush=True)
     finally:
       server.terminate()
       server.wait(120)

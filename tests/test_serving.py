@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 
 import openai
+import numpy as np
 import pytest
 
 from tests import cli
@@ -200,7 +201,9 @@ def test_concurrent_requests_with_mixed_settings_equal_sequential_answers(seq2se
     ({"prompt": "a", "model": "gpt-4"}, "model", "does not exist"),
     ({"prompt": "a", "n": 9}, "n", "max_n"),
     ({"prompt": "a", "temperature": -1}, "temperature", "temperature"),
-    ({"prompt": "a", "echo": True}, "echo", "not supported"),
+    ({"prompt": "a", "echo": True, "logprobs": 1}, "echo", "decoder-only"),
+    ({"prompt": "a", "logprobs": 6}, "logprobs", "less than or equal to 5"),
+    ({"prompt": "a", "presence_penalty": 1.0}, "presence_penalty", "not supported"),
 ])
 def test_bad_requests_get_400_and_the_server_keeps_serving(seq2seq, body, param, message):
   status, answer = seq2seq.post("/v1/completions", body)
@@ -268,6 +271,59 @@ def test_decoder_only_raw_and_chat_equal_predict_greedy_and_need_the_key(llama):
   cut = server.client.completions.create(model=name, prompt=TEXTS[0], max_tokens=10,
                                          temperature=0, stop=[stop]).choices[0]
   assert cut.text == long.text[:long.text.index(stop)] and cut.finish_reason == "stop"
+
+
+def test_prompt_logprobs_as_an_evaluation_harness_reads_them(llama):
+  """lm-evaluation-harness's log-likelihood requests (local-completions): token-id prompts of
+  context + continuation, echo, max_tokens 1, logprobs 1. Each prompt token's log-probability
+  is the one transformers gives on the same folder (within 1e-4), the first None; a token is
+  greedy where the harness reads it so (its log-probability the top one's) exactly where
+  transformers' argmax is that token."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  folder, server = llama
+  tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+  model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+  requests = [tokenizer(t)["input_ids"] for t in ("two dogs run in the park",
+                                                  "a man is riding a bike")]
+  with torch.no_grad():  # a continuation the model itself would choose: greedy positions
+    requests[1] = model.generate(torch.tensor([requests[1]]), do_sample=False,
+                                 max_new_tokens=4)[0].tolist()
+  answer = server.client.completions.create(model=server.name, prompt=requests, echo=True,
+                                            max_tokens=1, logprobs=1, temperature=0)
+  greedy_seen = set()
+  for ids, choice in zip(requests, answer.choices):
+    with torch.no_grad():
+      expected = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1).numpy()
+    got = choice.logprobs
+    assert len(got.tokens) == len(ids) + 1  # the prompt, then the one generated token
+    assert got.token_logprobs[0] is None and got.top_logprobs[0] is None
+    want = [expected[t - 1, ids[t]] for t in range(1, len(ids))]
+    np.testing.assert_allclose(got.token_logprobs[1:len(ids)], want, atol=1e-4)
+    for t in range(1, len(ids)):
+      top = got.top_logprobs[t]
+      assert len(top) == 1
+      is_greedy = got.token_logprobs[t] == max(top.values())
+      assert is_greedy == (expected[t - 1].argmax() == ids[t])
+      greedy_seen.add(is_greedy)
+    assert choice.text.startswith(tokenizer.decode(ids, skip_special_tokens=True))
+  assert greedy_seen == {True, False}  # both kinds of position were checked
+  # max_tokens 0: the prompt alone.
+  alone = server.client.completions.create(model=server.name, prompt=requests[0], echo=True,
+                                           max_tokens=0, logprobs=0).choices[0]
+  assert len(alone.logprobs.tokens) == len(requests[0]) and alone.logprobs.top_logprobs is None
+  # Chat: the k most likely tokens at each generated position, the chosen (greedy) first.
+  chat = server.client.chat.completions.create(
+      model=server.name, messages=[{"role": "user", "content": "two dogs"}], max_tokens=4,
+      temperature=0, logprobs=True, top_logprobs=3).choices[0].logprobs.content
+  assert len(chat) == 4
+  for entry in chat:
+    assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+    assert abs(entry.top_logprobs[0].logprob - entry.logprob) < 1e-4
+  for body, param in [({"prompt": "a", "echo": True, "n": 2, "logprobs": 1}, "n"),
+                      ({"prompt": "a", "logprobs": 1, "stream": True}, "stream")]:
+    status, error = server.post("/v1/completions", body, {"Authorization": "Bearer secret"})
+    assert status == 400 and error["error"]["param"] == param, error
 
 
 def test_streams_send_text_while_the_batch_decodes(llama):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import dataclasses
 import functools
 import json
 import math
@@ -27,12 +28,14 @@ from absl import logging
 import fastapi
 from fastapi import exceptions as fastapi_exceptions
 from fastapi import responses
+import numpy as np
 from starlette import exceptions as starlette_exceptions
 
 from transformer_jax.serving import batch_decoder
 from transformer_jax.serving import engine as engine_lib
 from transformer_jax.serving import protocol
 from transformer_jax.serving import texts
+from transformer_jax.serving import token_scores
 
 
 class Service:
@@ -48,6 +51,7 @@ class Service:
     self.prompts = texts.Prompts(predictor)
     self.tokenizer = predictor.tokenizer
     self.max_n = predictor.config.serve.max_n
+    self.scorer = None if self.classifier else token_scores.TokenScorer(self.decoder)
 
   def check_model(self, model: str | None) -> None:
     if model not in (None, self.name):
@@ -74,7 +78,7 @@ class Service:
     d = self.predictor.config.decoding
     if max_tokens is None:
       max_tokens = min(d.max_decode_len or limit, limit)
-    if max_tokens <= 0 or max_tokens > limit:
+    if max_tokens < (0 if getattr(request, "echo", False) else 1) or max_tokens > limit:
       raise texts.RequestError(f"max_tokens={max_tokens} must be in [1, {limit}]: this model "
                                f"generates at most {limit} tokens.", "max_tokens")
     # Settings left out take the model's decoding config where it samples, else greedy.
@@ -108,9 +112,31 @@ class Service:
                      ) -> tuple[list[texts.Completion], int]:
     """The completions of every (prompt, choice) in order, and the prompts' token count."""
     rows, max_tokens = self.rows(request, prompts, max_tokens)
-    outputs = await self.run(rows)
+    outputs = await self.run(rows) if max_tokens else [
+        batch_decoder.Output(np.zeros((0,), np.int32), np.zeros((0,), np.float32))
+        for _ in rows]  # echo alone
     return ([texts.completion(self.tokenizer, o.ids, o.logprobs, max_tokens, request.stops)
              for o in outputs], sum(len(p) for p in prompts))
+
+  def check_scores(self, request: protocol.Sampling, echo: bool, top: int) -> None:
+    """A request for prompt log-probabilities or alternatives this server can answer."""
+    if echo and not self.predictor.family.continues_prompt:
+      raise texts.RequestError(f"echo needs a decoder-only model: {self.name}'s prompt is its "
+                               "encoder's input, which it does not predict.", "echo")
+    if echo and request.n > 1:
+      raise texts.RequestError("echo takes n=1 (each choice would repeat the prompt's "
+                               "log-probabilities).", "n")
+    if (echo or top) and request.stream:
+      raise texts.RequestError("Prompt log-probabilities and alternatives (echo, logprobs > 0, "
+                               "top_logprobs) are not streamed: send stream=false.", "stream")
+
+  async def scores(self, prompts: list, choices: list[texts.Completion], n: int
+                   ) -> list[token_scores.Scores]:
+    """Each choice's token scores over its prompt and completion (token_scores.py), computed
+    off the event loop."""
+    pairs = [(prompts[i // n], c.token_ids) for i, c in enumerate(choices)]
+    return await asyncio.get_running_loop().run_in_executor(
+        None, self.scorer.score, [p for p, _ in pairs], [o for _, o in pairs])
 
   def stream(self, request: protocol.Sampling, prompts: list, max_tokens: int | None
              ) -> tuple[asyncio.Queue, list[texts.TextStream], int]:
@@ -164,11 +190,22 @@ def create_app(service: Service, api_key: str | None = None) -> fastapi.FastAPI:
   @app.post("/v1/completions")
   async def completions(request: protocol.CompletionRequest):
     service.check_family(classification=False)
-    prompts = [service.prompts.completion(p) for p in _prompt_list(request.prompt)]
+    given = _prompt_list(request.prompt)
+    prompts = [service.prompts.completion(p) for p in given]
+    top = request.logprobs or 0
+    service.check_scores(request, request.echo, top)
     if request.stream:
       return _streamed(service, request, prompts, request.max_tokens, chat=False)
     choices, prompt_tokens = await service.generate(request, prompts, request.max_tokens)
-    return _answer(service, request, choices, prompt_tokens, chat=False)
+    echo_scores = request.echo and request.logprobs is not None
+    scores = await service.scores(prompts, choices, request.n) if echo_scores or top else None
+    if request.echo:
+      texts_given = [g if isinstance(g, str) else service.tokenizer.decode(p)
+                     for g, p in zip(given, prompts)]
+      choices = [_echoed(service, c, prompts[i], texts_given[i],
+                         scores[i] if scores else None, request.logprobs)
+                 for i, c in enumerate(choices)]
+    return _answer(service, request, choices, prompt_tokens, chat=False, scores=scores)
 
   @app.post("/v1/chat/completions")
   async def chat_completions(request: protocol.ChatRequest):
@@ -176,10 +213,13 @@ def create_app(service: Service, api_key: str | None = None) -> fastapi.FastAPI:
     prompt = service.prompts.chat(request.chat())
     max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None
                   else request.max_tokens)
+    top = (request.top_logprobs or 0) if request.logprobs else 0
+    service.check_scores(request, False, top)
     if request.stream:
       return _streamed(service, request, [prompt], max_tokens, chat=True)
     choices, prompt_tokens = await service.generate(request, [prompt], max_tokens)
-    return _answer(service, request, choices, prompt_tokens, chat=True)
+    scores = await service.scores([prompt], choices, request.n) if top else None
+    return _answer(service, request, choices, prompt_tokens, chat=True, scores=scores)
 
   @app.post("/v1/classifications")
   async def classifications(request: protocol.ClassificationRequest):
@@ -234,13 +274,17 @@ def _head(service: Service, chat: bool) -> dict:
           "model": service.name}
 
 
-def _answer(service: Service, request: protocol.Sampling, choices: list[texts.Completion],
-            prompt_tokens: int, chat: bool):
-  usage = protocol.usage(prompt_tokens, sum(len(c.token_ids) for c in choices))
+def _answer(service: Service, request: protocol.Sampling, choices: list,
+            prompt_tokens: int, chat: bool, scores: list | None = None):
+  usage = protocol.usage(prompt_tokens, sum(len(_generated(c)) for c in choices))
   kind = "chat.completion" if chat else "text_completion"
   listed = []
   for index, choice in enumerate(choices):
-    logprobs = _logprobs(service, request, choice, chat)
+    if isinstance(choice, _Echoed):  # its logprobs object is made already
+      listed.append({"index": index, "text": choice.text, "logprobs": choice.logprobs,
+                     "finish_reason": choice.completion.finish_reason})
+      continue
+    logprobs = _logprobs(service, request, choice, chat, scores[index] if scores else None)
     if chat:
       listed.append({"index": index, "message": {"role": "assistant", "content": choice.text},
                      "logprobs": logprobs, "finish_reason": choice.finish_reason})
@@ -250,13 +294,64 @@ def _answer(service: Service, request: protocol.Sampling, choices: list[texts.Co
   return {**_head(service, chat), "object": kind, "choices": listed, "usage": usage}
 
 
-def _logprobs(service: Service, request, choice: texts.Completion, chat: bool) -> dict | None:
+def _logprobs(service: Service, request, choice: texts.Completion, chat: bool,
+              scores: token_scores.Scores | None) -> dict | None:
   if not request.logprobs and not (request.logprobs == 0 and not chat):
     return None
   tokens = texts.token_strings(service.tokenizer, choice.token_ids)
+  k = (request.top_logprobs or 0) if chat else request.logprobs
+  # The generated tokens' alternatives: the last len(tokens) positions of their text's scores.
+  top = (_alternatives(service, scores, k)[len(scores.logprobs) - len(tokens):]
+         if scores is not None and k else None)
   if chat:
-    return protocol.chat_logprobs(tokens, choice.logprobs)
-  return protocol.completion_logprobs(tokens, choice.logprobs, choice.pieces)
+    return protocol.chat_logprobs(tokens, choice.logprobs,
+                                  [list(t.items()) for t in top] if top else None)
+  return protocol.completion_logprobs(tokens, choice.logprobs, choice.pieces, top)
+
+
+@dataclasses.dataclass
+class _Echoed:
+  """A completion shown after its prompt (`echo`), with its logprobs object."""
+  completion: texts.Completion
+  text: str
+  logprobs: dict | None
+
+
+def _generated(choice) -> list[int]:
+  return (choice.completion if isinstance(choice, _Echoed) else choice).token_ids
+
+
+def _echoed(service: Service, choice: texts.Completion, prompt: np.ndarray, prompt_text: str,
+            scores: token_scores.Scores | None, k: int | None) -> _Echoed:
+  """`choice` after its prompt: the prompt's text and tokens first; their log-probabilities
+  from `scores` (the first token's None where nothing predicts it), the completion's as it
+  was decoded."""
+  if k is None:
+    return _Echoed(choice, prompt_text + choice.text, None)
+  tokenizer = service.tokenizer
+  ids = [int(i) for i in prompt]
+  prefixes = [tokenizer.decode(ids[:i]) for i in range(1, len(ids) + 1)]
+  prompt_pieces = texts.stream_pieces(prefixes, prompt_text)
+  given = [None if np.isnan(x) else float(x) for x in scores.logprobs[:len(ids)]]
+  top = _alternatives(service, scores, k) if k else None
+  logprobs = protocol.completion_logprobs(
+      texts.token_strings(tokenizer, ids + choice.token_ids), given + choice.logprobs,
+      prompt_pieces + choice.pieces, top)
+  return _Echoed(choice, prompt_text + choice.text, logprobs)
+
+
+def _alternatives(service: Service, scores: token_scores.Scores, k: int
+                  ) -> list[dict[str, float] | None]:
+  """Per position, its k most likely tokens' strings and log-probabilities (None where
+  nothing predicts the position)."""
+  listed = []
+  for ids, logprobs, own in zip(scores.top_ids, scores.top_logprobs, scores.logprobs):
+    if np.isnan(own):
+      listed.append(None)
+      continue
+    names = texts.token_strings(service.tokenizer, [int(i) for i in ids[:k]])
+    listed.append({name: float(p) for name, p in zip(names, logprobs[:k])})
+  return listed
 
 
 def _streamed(service: Service, request: protocol.Sampling, prompts: list,

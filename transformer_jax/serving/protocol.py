@@ -16,10 +16,10 @@ import pydantic
 from pydantic import Field
 
 # Fields accepted only at these values (what they would change is not implemented).
-UNSUPPORTED = {"echo": (False, None), "best_of": (None, 1), "suffix": (None, ""),
+UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""),
                "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-               "logit_bias": (None, {}), "tools": (None, []), "response_format": (None,),
-               "top_logprobs": (None, 0)}
+               "logit_bias": (None, {}), "tools": (None, []), "response_format": (None,)}
+TOP_LOGPROBS = 5  # the most alternatives per position (token_scores.TOP)
 
 
 class Sampling(pydantic.BaseModel):
@@ -52,7 +52,9 @@ class Sampling(pydantic.BaseModel):
 class CompletionRequest(Sampling):
   prompt: Union[str, list[str], list[int], list[list[int]]]
   max_tokens: int | None = None
-  logprobs: int | None = Field(None, ge=0)  # the chosen tokens' log-probabilities when set
+  # The chosen tokens' log-probabilities when set; k > 0: with the k most likely at each.
+  logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS)
+  echo: bool = False  # the prompt before the completion, and its tokens' log-probabilities
 
 
 class ContentPart(pydantic.BaseModel):
@@ -76,7 +78,7 @@ class ChatRequest(Sampling):
   max_tokens: int | None = None
   max_completion_tokens: int | None = None
   logprobs: bool = False
-
+  top_logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS)  # with logprobs
   def chat(self) -> list[dict]:
     # 'developer' is the newer name of 'system'; chat templates know the older one.
     return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
@@ -108,20 +110,26 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
           "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_logprobs(tokens: list[str], logprobs: list[float], pieces: list[str]) -> dict:
-  """The legacy completions' logprobs object (the chosen tokens only: no alternatives)."""
+def completion_logprobs(tokens: list[str], logprobs: list[float | None], pieces: list[str],
+                        top: list[dict[str, float] | None] | None = None) -> dict:
+  """The legacy completions' logprobs object: each token, its log-probability (None where
+  nothing predicts it: an echoed prompt's first token), the most likely alternatives at each
+  position where asked for (`top`), and where each token's text starts."""
   offsets, at = [], 0
   for piece in pieces:
     offsets.append(at)
     at += len(piece)
-  return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None,
+  return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top,
           "text_offset": offsets}
 
 
-def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict:
-  """Chat's logprobs object: each chosen token with its log-probability."""
-  return {"content": [{"token": t, "logprob": p, "bytes": list(t.encode()), "top_logprobs": []}
-                      for t, p in zip(tokens, logprobs)]}
+def chat_logprobs(tokens: list[str], logprobs: list[float],
+                  top: list[list[tuple[str, float]]] | None = None) -> dict:
+  """Chat's logprobs object: each chosen token with its log-probability and, where asked
+  for, the most likely alternatives at its position."""
+  entry = lambda t, p: {"token": t, "logprob": p, "bytes": list(t.encode())}
+  return {"content": [{**entry(t, p), "top_logprobs": [entry(*a) for a in (top or [])[i]]
+                       if top else []} for i, (t, p) in enumerate(zip(tokens, logprobs))]}
 
 
 def model_card(name: str, max_model_len: int, created: int) -> dict[str, Any]:
