@@ -27,6 +27,7 @@ from transformer_jax.data import directions
 from transformer_jax.data import pipeline
 from transformer_jax.inference import generate
 from transformer_jax.inference import runners
+from transformer_jax.inference import search_basics
 from transformer_jax.model import models
 from transformer_jax.model import schema as model_schema
 
@@ -81,13 +82,6 @@ def set_family(config: ml_collections.ConfigDict, family_name: str) -> None:
       raise ValueError(f"a classification config cannot train the {family_name} family")
     else:
       config.architecture = family_name
-
-
-# For messages: the configs that train each family.
-CONFIGS_OF = {ENCODER_DECODER: "a translation, summarization or multitask config",
-              DECODER_ONLY: "a translation or summarization config with "
-                            "config.architecture='decoder_only'",
-              ENCODER_CLASSIFIER: "a classification config (config.task='classification')"}
 
 
 def from_model_config(family_name: str, model_config: model_schema.TransformerConfig,
@@ -151,7 +145,7 @@ class EncoderDecoder(family_base.SequenceFamily):
   def split_prompt(self, inputs):
     if not self.code_after_prompt:
       return inputs, None, None
-    inputs, codes = split_code(inputs)
+    inputs, codes = search_basics.split_code(inputs)
     if self.model_config.start_from_last_target:  # mBART-cc25: each row starts from its code
       return inputs, None, codes
     return inputs, codes, None
@@ -198,15 +192,6 @@ class EncoderDecoder(family_base.SequenceFamily):
     decoder_inputs = np.asarray(models.shift_right(output[None], self.model_config.bos_id))[0]
     return weights, {"encoder_self": (prompt, prompt), "decoder_self": (output, decoder_inputs),
                      "cross": (output, prompt)}
-
-def split_code(inputs):
-  """[b, len] prompts whose last non-pad token is a code -> (the prompts without it, the codes
-  [b]; 0 for an all-pad row)."""
-  last = jnp.sum(inputs != 0, axis=1) - 1  # [b]; -1 for an all-pad row
-  codes = jnp.where(last >= 0, jnp.take_along_axis(inputs, jnp.maximum(last, 0)[:, None],
-                                                    axis=1)[:, 0], 0)
-  return jnp.where(jnp.arange(inputs.shape[1])[None, :] == last[:, None], 0, inputs), codes
-
 
 class DecoderOnly(family_base.SequenceFamily):
   """A causal LM over `SOURCE <eos> TARGET <eos>`, graded on the target only. Causal over the

@@ -38,6 +38,14 @@ TUNABLE_MODEL_KEYS = ("dropout_rate", "attention_dropout_rate", "activation_drop
 _TOKEN_DECODING_KEYS = ("forced_bos_id", "forced_eos", "banned_ids", "end_ids")
 
 
+# For messages: the configs that train each family.
+CONFIGS_OF = {
+    families.ENCODER_DECODER: "a translation, summarization or multitask config",
+    families.DECODER_ONLY: "a translation or summarization config with "
+                           "config.architecture='decoder_only'",
+    families.ENCODER_CLASSIFIER: "a classification config (config.task='classification')"}
+
+
 def refused_overrides(checkpoint: checkpoint_lib.Checkpoint, config: ml_collections.ConfigDict,
                       given_keys) -> list[str]:
   """Command-line keys (e.g. 'model.num_layers') that contradict the checkpoint."""
@@ -165,7 +173,7 @@ def _apply_family(config: ml_collections.ConfigDict, checkpoint: checkpoint_lib.
       pass  # a classification config: the error below says what to use
   raise checkpoint_lib.PretrainedError(
       f"{checkpoint.folder} is a {checkpoint.model_type} checkpoint, which trains the {wanted} "
-      f"family, but this config trains {family}: use {families.CONFIGS_OF[wanted]}.")
+      f"family, but this config trains {family}: use {CONFIGS_OF[wanted]}.")
 
 
 def _apply_head(config: ml_collections.ConfigDict, checkpoint: checkpoint_lib.Checkpoint,

@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax import tokenizer as tokenizer_lib
-from transformer_jax.inference import decoding
 from transformer_jax.inference import prompt_packing
 from transformer_jax.model import attention
 from transformer_jax.model import kv_cache

@@ -1,6 +1,7 @@
 """What every search shares: the model callback's and the logits processors' types, the
 finite minus infinity of dead hypotheses, argument checks, the tokens forced at the start of
-an output, first inputs, end tokens, and the per-token log-probability and argmax."""
+an output (and a prompt's trailing target-language code, forced first), first inputs, end
+tokens, and the per-token log-probability and argmax."""
 
 from __future__ import annotations
 
@@ -37,6 +38,15 @@ def forced_tokens(decoder_prompt: Array | None, copies: int,
   prompt = prompt * jnp.cumprod(prompt != 0, axis=1)  # a row's prompt ends at its first 0
   prompt = jnp.pad(prompt, ((0, 0), (0, max_decode_len - prompt.shape[1])))
   return flat_batch_beam_expand(prompt, copies)
+
+
+def split_code(inputs):
+  """[b, len] prompts whose last non-pad token is a code -> (the prompts without it, the codes
+  [b]; 0 for an all-pad row)."""
+  last = jnp.sum(inputs != 0, axis=1) - 1  # [b]; -1 for an all-pad row
+  codes = jnp.where(last >= 0, jnp.take_along_axis(inputs, jnp.maximum(last, 0)[:, None],
+                                                    axis=1)[:, 0], 0)
+  return jnp.where(jnp.arange(inputs.shape[1])[None, :] == last[:, None], 0, inputs), codes
 
 
 def token_logprob(logits: Array, token: Array) -> Array:

@@ -50,15 +50,10 @@ def beam_attention(query: Array, key: Array, value: Array, mask: Array | None,
   if decoded is not None:  # the prompt, read in each row's own slots
     keys, values, prompt_length = decoded
     length = keys.shape[-1]
-    # Decoded slot t of row r is its cache slot prompt_length[r] + t: the mask, bias and slot
-    # offsets of those slots, gathered.
-    slots = prompt_length[:, None] + jnp.arange(length)[None, :]  # [r, D]
     in_prompt = jnp.arange(key.shape[1])[None, :] < prompt_length[:, None]  # [r, L]
     own_mask = in_prompt[:, None, None] if mask is None else mask & in_prompt[:, None, None]
     own, prompt_values = _prompt_part(query, key, value, own_mask, bias, softcap, scale, beams)
-    slot_rows = jnp.take_along_axis(slot_rows, slots, axis=1, mode="clip")
-    mask = None if mask is None else _gather_slots(mask, slots, rows)
-    bias = None if bias is None else _gather_slots(bias, slots, rows)
+    slot_rows, mask, bias = _decoded_slots(prompt_length, length, slot_rows, mask, bias)
   else:
     # Source b, holder beam i, key/value head n, querying beam j, group g, query q, slot l.
     # The keys and values are split from the cache's own layout (`keys_last`), and both beams
@@ -115,10 +110,19 @@ def _prompt_part(query: Array, key: Array, value: Array, mask: Array, bias: Arra
   return own, keys_last(value).reshape(sources, beams, kv_heads, head_dim, length)
 
 
-def _gather_slots(x: Array, slots: Array, rows: int) -> Array:
-  """A mask or bias [r|1, h|1, q, L] at each row's `slots` [r, D]: [r, h|1, q, D]."""
-  x = jnp.broadcast_to(x, (rows,) + x.shape[1:])
-  return jnp.take_along_axis(x, slots[:, None, None, :], axis=-1, mode="clip")
+def _decoded_slots(prompt_length: Array, length: int, slot_rows: Array, mask: Array | None,
+                   bias: Array | None) -> tuple[Array, Array | None, Array | None]:
+  """The slot offsets [r, D], mask and bias [r, h|1, q, D] of the `length` decoded slots kept
+  apart: decoded slot t of row r is its cache slot prompt_length[r] + t."""
+  rows = slot_rows.shape[0]
+  slots = prompt_length[:, None] + jnp.arange(length)[None, :]  # [r, D]
+
+  def gather(x):  # [r|1, h|1, q, L] -> [r, h|1, q, D]
+    x = jnp.broadcast_to(x, (rows,) + x.shape[1:])
+    return jnp.take_along_axis(x, slots[:, None, None, :], axis=-1, mode="clip")
+
+  return (jnp.take_along_axis(slot_rows, slots, axis=1, mode="clip"),
+          None if mask is None else gather(mask), None if bias is None else gather(bias))
 
 
 def _by_source(x: Array, sources: int, beams: int, kv_heads: int, num_queries: int,

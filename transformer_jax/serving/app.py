@@ -118,6 +118,38 @@ class Service:
     return ([texts.completion(self.tokenizer, o.ids, o.logprobs, max_tokens, request.stops)
              for o in outputs], sum(len(p) for p in prompts))
 
+  async def complete(self, request: protocol.CompletionRequest):
+    """A completions request's answer (a stream, or the whole response)."""
+    given = _prompt_list(request.prompt)
+    prompts = [self.prompts.completion(p) for p in given]
+    top = request.logprobs or 0
+    self.check_scores(request, request.echo, top)
+    if request.stream:
+      return _streamed(self, request, prompts, request.max_tokens, chat=False)
+    choices, prompt_tokens = await self.generate(request, prompts, request.max_tokens)
+    echo_scores = request.echo and request.logprobs is not None
+    scores = await self.scores(prompts, choices, request.n) if echo_scores or top else None
+    if request.echo:
+      texts_given = [g if isinstance(g, str) else self.tokenizer.decode(p)
+                     for g, p in zip(given, prompts)]
+      choices = [_echoed(self, c, prompts[i], texts_given[i],
+                         scores[i] if scores else None, request.logprobs)
+                 for i, c in enumerate(choices)]
+    return _answer(self, request, choices, prompt_tokens, chat=False, scores=scores)
+
+  async def chat(self, request: protocol.ChatRequest):
+    """A chat completions request's answer (a stream, or the whole response)."""
+    prompt = self.prompts.chat(request.chat())
+    max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None
+                  else request.max_tokens)
+    top = (request.top_logprobs or 0) if request.logprobs else 0
+    self.check_scores(request, False, top)
+    if request.stream:
+      return _streamed(self, request, [prompt], max_tokens, chat=True)
+    choices, prompt_tokens = await self.generate(request, [prompt], max_tokens)
+    scores = await self.scores([prompt], choices, request.n) if top else None
+    return _answer(self, request, choices, prompt_tokens, chat=True, scores=scores)
+
   def check_scores(self, request: protocol.Sampling, echo: bool, top: int) -> None:
     """A request for prompt log-probabilities or alternatives this server can answer."""
     if echo and not self.predictor.family.continues_prompt:
@@ -190,36 +222,12 @@ def create_app(service: Service, api_key: str | None = None) -> fastapi.FastAPI:
   @app.post("/v1/completions")
   async def completions(request: protocol.CompletionRequest):
     service.check_family(classification=False)
-    given = _prompt_list(request.prompt)
-    prompts = [service.prompts.completion(p) for p in given]
-    top = request.logprobs or 0
-    service.check_scores(request, request.echo, top)
-    if request.stream:
-      return _streamed(service, request, prompts, request.max_tokens, chat=False)
-    choices, prompt_tokens = await service.generate(request, prompts, request.max_tokens)
-    echo_scores = request.echo and request.logprobs is not None
-    scores = await service.scores(prompts, choices, request.n) if echo_scores or top else None
-    if request.echo:
-      texts_given = [g if isinstance(g, str) else service.tokenizer.decode(p)
-                     for g, p in zip(given, prompts)]
-      choices = [_echoed(service, c, prompts[i], texts_given[i],
-                         scores[i] if scores else None, request.logprobs)
-                 for i, c in enumerate(choices)]
-    return _answer(service, request, choices, prompt_tokens, chat=False, scores=scores)
+    return await service.complete(request)
 
   @app.post("/v1/chat/completions")
   async def chat_completions(request: protocol.ChatRequest):
     service.check_family(classification=False)
-    prompt = service.prompts.chat(request.chat())
-    max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None
-                  else request.max_tokens)
-    top = (request.top_logprobs or 0) if request.logprobs else 0
-    service.check_scores(request, False, top)
-    if request.stream:
-      return _streamed(service, request, [prompt], max_tokens, chat=True)
-    choices, prompt_tokens = await service.generate(request, [prompt], max_tokens)
-    scores = await service.scores([prompt], choices, request.n) if top else None
-    return _answer(service, request, choices, prompt_tokens, chat=True, scores=scores)
+    return await service.chat(request)
 
   @app.post("/v1/classifications")
   async def classifications(request: protocol.ClassificationRequest):
