@@ -21,6 +21,7 @@ from transformer_jax.data import directions
 from transformer_jax.data import hf_source
 from transformer_jax.data import prompt_format
 from transformer_jax.model import kernels
+from transformer_jax.model import kv_cache
 from transformer_jax.model import layers
 from transformer_jax.model import lora as lora_lib
 
@@ -342,6 +343,11 @@ def _decoding_problems(config: ml_collections.ConfigDict) -> list[str]:
   if d.forced_bos_id >= m.vocab_size:
     found.append(f"config.decoding.forced_bos_id={d.forced_bos_id} is not below "
                  f"config.model.vocab_size={m.vocab_size}")
+  for where, value in (("decoding", d.get("kv_cache_dtype", "")),
+                       ("model", m.get("kv_cache_dtype", ""))):
+    if value not in kv_cache.CACHE_DTYPES:
+      found.append(f"config.{where}.kv_cache_dtype={value!r} is not one of "
+                   f"{kv_cache.CACHE_DTYPES[1:]} ('' = the model's dtype)")
   return found
 
 

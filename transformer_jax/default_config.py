@@ -296,6 +296,9 @@ def get_config() -> ml_collections.ConfigDict:
       # (Hugging Face's max_length, set from a checkpoint's generation_config.json): each
       # output ends after what its own prompt leaves; 0 = off.
       max_total_len=0,
+      # Every method: the KV cache's keys and values kept in this dtype: '' = the model's,
+      # 'float32', 'bfloat16' or 'int8' (a quarter of float32's memory; docs/quantization.md).
+      kv_cache_dtype="",
       # Every method: no EOS before this many output tokens; 0 = off.
       min_length=0,
       # Every method: token ids never generated, e.g. (3, 7); () = none. Ids are the model's

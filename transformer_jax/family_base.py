@@ -154,6 +154,14 @@ class SequenceFamily(Family):
   """A family that generates text token by token from a KV cache."""
   packs_prompts = True
 
+  def decoding_model(self):
+    """The model its runner decodes with: this one, its KV cache kept in
+    config.decoding.kv_cache_dtype where that is set (the same parameters)."""
+    cache_dtype = self.config.get("decoding", {}).get("kv_cache_dtype", "")
+    if not cache_dtype:
+      return self.model
+    return self._make_model().clone(config=self.model_config.replace(kv_cache_dtype=cache_dtype))
+
   @property
   def logits_chunk_length(self) -> int:
     """config.logits_chunk_length, 0 (all positions at once) in a workdir saved before it."""

@@ -123,6 +123,9 @@ class MultiHeadAttention(nn.Module):
   added to the scores (T5's relative position bias). `softcap` > 0 soft-caps the scores
   (`dot_product_attention`); kernels without a soft cap leave such calls to the reference.
 
+  `cache_dtype` keeps the KV cache's keys and values in another dtype: 'int8' per token and
+  head with a float32 scale beside them (`kv_cache.quantize`), read back dequantized.
+
   `qk_norm` RMS-normalises queries and keys per head over the head dimension ('query_norm',
   'key_norm'; epsilon `norm_epsilon`, (1 + scale) with `norm_plus_one`) before rotating them,
   so keys are cached normalised (Qwen3, Gemma 3).
@@ -147,6 +150,7 @@ class MultiHeadAttention(nn.Module):
   norm_epsilon: float = 1e-6
   norm_plus_one: bool = False
   lora: LoraSpec | None = None  # low-rank adapters on the targeted projections (lora.py)
+  cache_dtype: str = ""  # the KV cache's: '' = the keys', or 'float32', 'bfloat16', 'int8'
 
   @nn.compact
   def __call__(self, inputs_q: Array, inputs_kv: Array, mask: Array | None = None, *,
@@ -332,16 +336,28 @@ class MultiHeadAttention(nn.Module):
     initialized = self.has_variable("cache", "cached_key")
     shape = kv_cache.keys_last(key).shape
     rows, num_new = shape[0], key.shape[1]
-    cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, key.dtype)
-    cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, value.dtype)
+    stored = kv_cache.stored_dtype(self.cache_dtype, key.dtype)
+    cached = {name: self.variable("cache", name, jnp.zeros, shape, stored)
+              for name in ("cached_key", "cached_value")}
+    scales = ({name: self.variable("cache", name, jnp.zeros, shape[:2] + (1, shape[3]),
+                                   jnp.float32) for name in kv_cache.SCALE_NAMES}
+              if stored == jnp.int8 else None)
     cache_index = self.variable("cache", "cache_index", jnp.zeros, (rows,), jnp.int32)
     slot_rows = self.variable("cache", "slot_rows", jnp.zeros, (rows, shape[3]), jnp.int32)
     if not initialized:  # the init pass only creates the cache
       return key, value, mask, None, None
-    max_len = cached_key.value.shape[3]
+    max_len = cached["cached_key"].value.shape[3]
     index = cache_index.value  # [rows]
-    cached_key.value = kv_cache.write(cached_key.value, kv_cache.keys_last(key), index)
-    cached_value.value = kv_cache.write(cached_value.value, kv_cache.keys_last(value), index)
+    every = []  # all cached keys, then values, as the attention reads them
+    for (name, new), scale_name in zip((("cached_key", key), ("cached_value", value)),
+                                       kv_cache.SCALE_NAMES):
+      new = kv_cache.keys_last(new)
+      if scales is not None:
+        new, scale = kv_cache.quantize(new)
+        scales[scale_name].value = kv_cache.write(scales[scale_name].value, scale, index)
+      cached[name].value = kv_cache.write(cached[name].value, new, index)
+      every.append(kv_cache.dequantize(cached[name].value, scales[scale_name].value, key.dtype)
+                   if scales is not None else cached[name].value.astype(key.dtype))
     cache_index.value = index + num_new
     if beams > 1:
       slot_rows.value = kv_cache.write(slot_rows.value, jnp.zeros((rows, num_new), jnp.int32),
@@ -360,5 +376,5 @@ class MultiHeadAttention(nn.Module):
       decoded = (kept_apart("decoded_key", key), kept_apart("decoded_value", value),
                  prompt_length)
     visible = kv_cache.visible(index, num_new, max_len, prefix_fill)  # [rows, 1, q, max_len]
-    return (kv_cache.from_keys_last(cached_key.value), kv_cache.from_keys_last(cached_value.value),
+    return (kv_cache.from_keys_last(every[0]), kv_cache.from_keys_last(every[1]),
             combine_masks(visible, mask), slot_rows.value, decoded)

@@ -94,7 +94,8 @@ def _attention(c: TransformerConfig, name: str, score: str = "dot_product", *,
                                       rope_base=base if rotary else None, rope_scaling=scaling,
                                       scale=scale, softcap=c.attention_softcap,
                                       qk_norm=c.qk_norm, norm_epsilon=c.layer_norm_epsilon,
-                                      norm_plus_one=c.norm_plus_one, lora=c.lora, name=name)
+                                      norm_plus_one=c.norm_plus_one, lora=c.lora,
+                                      cache_dtype=c.kv_cache_dtype, name=name)
 
 
 def rope_scaling(c: TransformerConfig) -> tuple:

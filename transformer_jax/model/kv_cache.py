@@ -36,6 +36,26 @@ def from_keys_last(x: Array) -> Array:
 
 
 INDEX_NAMES = ("cache_index", "position_index")  # a row's write position, [rows] int32
+SCALE_NAMES = ("key_scale", "value_scale")  # an int8 cache's scales, [rows, n, 1, length]
+CACHE_DTYPES = ("", "float32", "bfloat16", "int8")  # '': the keys' own
+
+
+def stored_dtype(cache_dtype: str, dtype) -> Any:
+  """What a cache of `cache_dtype` keeps keys and values of `dtype` in."""
+  return jnp.dtype(cache_dtype or dtype)
+
+
+def quantize(x: Array) -> tuple[Array, Array]:
+  """Keys or values kept-last [rows, n, d, q] -> (int8 of the same shape, float32 scales
+  [rows, n, 1, q]): each token's head vector over its largest magnitude, times 127 (symmetric
+  absmax, as JetStream and vLLM quantize a KV cache, here per token and head)."""
+  scale = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=2, keepdims=True) / 127.0
+  q = jnp.round(x.astype(jnp.float32) / jnp.where(scale == 0, 1.0, scale))
+  return jnp.clip(q, -127, 127).astype(jnp.int8), scale
+
+
+def dequantize(q: Array, scale: Array, dtype) -> Array:
+  return (q.astype(jnp.float32) * scale).astype(dtype)
 
 
 def write(cached: Array, new: Array, index: Array) -> Array:
@@ -128,8 +148,10 @@ def with_beam_slots(cache: Any, max_len: int, beams: int) -> Any:
     if "cached_key" in tree and tree["cached_key"].shape[-1] > max_len:
       sources, heads, head_dim, _ = tree["cached_key"].shape  # not yet expanded to beams
       shape = (sources, beams, heads, head_dim, max_len)
-      tree.update(decoded_key=jnp.zeros(shape, tree["cached_key"].dtype),
-                  decoded_value=jnp.zeros(shape, tree["cached_value"].dtype),
+      # An int8 cache's decoded slots are kept apart unquantized (a beam search's few).
+      dtype = lambda x: jnp.float32 if x.dtype == jnp.int8 else x.dtype
+      tree.update(decoded_key=jnp.zeros(shape, dtype(tree["cached_key"])),
+                  decoded_value=jnp.zeros(shape, dtype(tree["cached_value"])),
                   prompt_length=tree["cache_index"])  # decoded slot t is slot prompt_length + t
     return tree
   return add(cache)
@@ -155,7 +177,7 @@ def reorder_beams(cache: Any, rows: Array) -> Any:
   Every other per-row entry of the cache is gathered."""
   def reorder(path, x):
     name = _name(path)
-    if name in ("cached_key", "cached_value") + _PER_BEAM:
+    if name in ("cached_key", "cached_value") + SCALE_NAMES + _PER_BEAM:
       return x
     if name == "slot_rows":
       return x[rows] + (rows - jnp.arange(x.shape[0]))[:, None]

@@ -128,6 +128,10 @@ class TransformerConfig:
   logits_dot_in_float32: bool = False
   # 'auto': cuDNN flash attention where it applies (a GPU), else 'reference'; or 'xla', 'cudnn'
   attention_implementation: str = "auto"
+  # The decoding KV cache's keys and values: '' = the activations' dtype, 'float32',
+  # 'bfloat16', or 'int8' (per token and head, scaled by its largest magnitude: kv_cache.py);
+  # the decoding config's kv_cache_dtype sets it for decoding.
+  kv_cache_dtype: str = ""
   remat: bool = False  # recompute each layer's activations in the backward pass
   remat_policy: str = "full"  # with remat: what is kept (see models.REMAT_POLICIES)
 

@@ -13,6 +13,7 @@ power of two: one compiled refill per bucket, and one compiled segment for the p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from typing import Any, Callable, Sequence
 
@@ -50,7 +51,10 @@ class SlotPool:
     empty, refill, advance = self._functions(decoder.predictor.config.decoding)
     self._empty = self.layout.compile_decode(empty)
     self._refill = self.layout.compile_decode_steps(refill)
-    self._advance = self.layout.compile_decode_steps(advance)
+    # A segment runs the slots up to the last live one (rounded up to a k bucket) per part:
+    # one compiled segment per bucket, so that a lone request does not pay for every slot.
+    self._advance = {k: self.layout.compile_decode_steps(functools.partial(advance, live=k))
+                     for k in self.k_buckets}
     self.slots: list[_Slot | None] = [None] * self.rows
     self._carried = None
 
@@ -83,7 +87,11 @@ class SlotPool:
           0 if forced_first is None else forced_first, mode="drop")
       return decoding.refill_rows(state, cache, new["row_ids"], starts), context, forced_firsts
 
-    def advance(params, carried, rows):
+    def advance(params, carried, rows, live):
+      if live < carried[2].shape[0]:  # the first `live` slots only, written back in place
+        first = lambda tree: jax.tree.map(lambda x: x[:live], tree)
+        part, progress = advance(params, first(carried), first(rows), live)
+        return jax.tree.map(lambda x, y: x.at[:live].set(y), carried, part), progress
       state, context, forced_firsts = carried
       keys = batch_decoder.row_keys(rows)
       forced = jnp.zeros((forced_firsts.shape[0], max_new), jnp.int32).at[:, 0].set(
@@ -147,8 +155,11 @@ class SlotPool:
     for i, row in enumerate(rows):
       prompts[i, :len(row.prompt)] = row.prompt
     limits = self.family.output_limits(prompts, self.decoder.predictor.config.decoding)
-    return [row.max_tokens if limits is None else max(1, min(row.max_tokens, int(limit)))
-            for row, limit in zip(rows, np.asarray(limits) if limits is not None else rows)]
+    if limits is None:
+      return [row.max_tokens for row in rows]
+    # A prompt that leaves no room still decodes one token, as one-call decoding does.
+    return [max(1, min(row.max_tokens, int(limit)))
+            for row, limit in zip(rows, np.asarray(limits))]
 
   def _new_rows(self, batch: list[list[tuple[int, batch_decoder.Row]]], k: int,
                 length: int) -> dict:
@@ -167,18 +178,23 @@ class SlotPool:
     settings = batch_decoder.settings(
         [dataclasses.replace(slot.row, max_tokens=slot.limit) if slot else
          batch_decoder.Row(np.zeros((1,), np.int32)) for slot in self.slots], self.rows)
-    self._carried, progress = self._advance(self._params(), self._carried,
-                                            self.layout.eval_batch(settings))
-    progress = self.layout.host_rows(progress)
+    per_part = self.rows_per_part
+    last = max(i % per_part for i, slot in enumerate(self.slots) if slot is not None)
+    k = next(b for b in self.k_buckets if b > last)
+    self._carried, progress = self._advance[k](self._params(), self._carried,
+                                               self.layout.eval_batch(settings))
+    progress = self.layout.host_rows(progress)  # [parts * k]: each part's first k slots
     done = []
     for i, slot in enumerate(self.slots):
       if slot is None:
         continue
-      ids, logprobs = batch_decoder.so_far(progress, i, slot.limit)
+      at = (i // per_part) * k + i % per_part
+      ids, logprobs = batch_decoder.so_far({name: x[at:at + 1] for name, x in progress.items()},
+                                           0, slot.limit)
       if slot.row.on_tokens is not None and len(ids) > slot.told:
         slot.told = len(ids)
         batch_decoder.tell(slot.row, ids, logprobs)
-      if progress["finished"][i] or progress["step"][i] >= slot.limit:
+      if progress["finished"][at] or progress["step"][at] >= slot.limit:
         done.append((slot.handle, batch_decoder.Output(ids, logprobs)))
         self.slots[i] = None
     return done
@@ -204,7 +220,7 @@ class SlotPool:
     shape) before each; stops between shapes once `stop` is set. Returns whether it compiled
     them all."""
     every = self.shapes()
-    scratch, first = self._start(), True
+    scratch = self._start()
     for length, k in every if shapes is None else shapes:
       if stop is not None and stop.is_set():
         return False
@@ -213,8 +229,7 @@ class SlotPool:
       batch = [[(i, batch_decoder.Row(np.full((length,), 3, np.int32))) for i in range(k)]
                for _ in range(self.parts)]
       scratch = self._refill(self._params(), scratch, self._new_rows(batch, k, length))
-      if first:
-        scratch, _ = self._advance(self._params(), scratch, self.layout.eval_batch(
+      if length == every[0][0]:  # each segment size once, beside the smallest prompts
+        scratch, _ = self._advance[k](self._params(), scratch, self.layout.eval_batch(
             batch_decoder.settings([], self.rows)))
-        first = False
     return True
