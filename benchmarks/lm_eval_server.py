@@ -2,7 +2,7 @@
 `local-completions` model (this project's server) and its own `hf` model (transformers, on
 the same checkpoint folder), compared example by example.
 
-  pip install lm_eval==0.4.13       # not a project requirement: a reference, run by hand
+  pip install "lm_eval[api,hf]==0.4.13"   # not a project requirement: a reference, run by hand
   python benchmarks/lm_eval_server.py [--pretrained DIR]
 
 Two tasks written here as local files: a `multiple_choice` one (log-likelihoods of each
@@ -131,11 +131,13 @@ def main():
         ours = evaluate("local-completions", {
             "model": name, "base_url": f"http://127.0.0.1:{port}/v1/completions",
             "tokenizer": args.pretrained, "tokenizer_backend": "huggingface",
-            "num_concurrent": 1, "max_retries": 1}, task_folder)
+            # As the hf model reads a Llama's texts: BOS first.
+            "add_bos_token": True, "num_concurrent": 1, "max_retries": 1}, task_folder)
       finally:
         server.terminate()
         server.wait(120)
-    theirs = evaluate("hf", {"pretrained": args.pretrained, "dtype": "float32"}, task_folder)
+    theirs = evaluate("hf", {"pretrained": args.pretrained, "dtype": "float32",
+                             "device": "cpu"}, task_folder)
     compare(ours, theirs)
 
 
