@@ -139,14 +139,8 @@ class BatchDecoder:
     each; stops between buckets once `stop` is set. Returns whether it compiled them all.
     Safe beside `decode` in another thread: a batch whose shape is not compiled yet compiles
     it on the spot."""
-    every = self.shapes()
-    for length, rows in every if shapes is None else shapes:
-      if stop is not None and stop.is_set():
-        return False
-      if progress:
-        progress(every.index((length, rows)), len(every), (length, rows))
-      self.decode([Row(np.full((length,), 3, np.int32))] * rows)
-    return True
+    return each_shape(self.shapes(), shapes, progress, stop, lambda shape: self.decode(
+        [Row(np.full((shape[0],), 3, np.int32))] * shape[1]))
 
   def decode(self, rows: Sequence[Row]) -> list[Output]:
     """Outputs of up to max_batch_size rows, in order."""
@@ -222,6 +216,22 @@ def settings(rows: Sequence[Row], count: int) -> dict[str, np.ndarray]:
       "seed": column((r.seed % 2**31 for r in rows), np.int32, 0),
       "prompt_index": column((r.prompt_index for r in rows), np.int32, 0),
       "choice": column((r.choice for r in rows), np.int32, 0)}
+
+
+def each_shape(every: list[tuple[int, int]], shapes: Sequence[tuple[int, int]] | None,
+               progress: Callable[[int, int, tuple[int, int]], None] | None,
+               stop: threading.Event | None, compile_one: Callable[[tuple[int, int]], None]
+               ) -> bool:
+  """`compile_one` of each of `shapes` (default: `every` one), telling `progress` (index
+  among `every`, their count, shape) before each; stops between shapes once `stop` is set.
+  Returns whether it went through them all."""
+  for shape in every if shapes is None else shapes:
+    if stop is not None and stop.is_set():
+      return False
+    if progress:
+      progress(every.index(shape), len(every), shape)
+    compile_one(shape)
+  return True
 
 
 def logits_processor(decoding_config):

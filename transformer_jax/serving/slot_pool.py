@@ -220,16 +220,15 @@ class SlotPool:
     shape) before each; stops between shapes once `stop` is set. Returns whether it compiled
     them all."""
     every = self.shapes()
-    scratch = self._start()
-    for length, k in every if shapes is None else shapes:
-      if stop is not None and stop.is_set():
-        return False
-      if progress:
-        progress(every.index((length, k)), len(every), (length, k))
+    scratch = [self._start()]
+
+    def compile_one(shape):
+      length, k = shape
       batch = [[(i, batch_decoder.Row(np.full((length,), 3, np.int32))) for i in range(k)]
                for _ in range(self.parts)]
-      scratch = self._refill(self._params(), scratch, self._new_rows(batch, k, length))
+      scratch[0] = self._refill(self._params(), scratch[0], self._new_rows(batch, k, length))
       if length == every[0][0]:  # each segment size once, beside the smallest prompts
-        scratch, _ = self._advance[k](self._params(), scratch, self.layout.eval_batch(
+        scratch[0], _ = self._advance[k](self._params(), scratch[0], self.layout.eval_batch(
             batch_decoder.settings([], self.rows)))
-    return True
+
+    return batch_decoder.each_shape(every, shapes, progress, stop, compile_one)
