@@ -55,8 +55,9 @@ class Runner:
     """(cache, context, first tokens [k]): the prompts `inputs` [k, P] read into the rows
     `row_ids` [k] of a live `cache` and `context` (a `prefill`'s, one row per prompt, while
     its other rows decode on), each as `prefill` reads a prompt alone: a finished row's slot
-    refilled with a waiting request. Ids past the last row are dropped (padding). The other rows' keys, values and write positions stay
-    as they were, so their outputs do not change."""
+    refilled with a waiting request. Ids past the last row are dropped (padding). The other
+    rows' keys, values and write positions stay as they were, so their outputs do not
+    change."""
     raise NotImplementedError
 
 
@@ -207,7 +208,7 @@ class DecoderOnlyRunner(Runner):
         mutable=["cache"])
 
     def to_rows(path, packed):
-      if getattr(path[-1], "key", None) in kv_cache.INDEX_NAMES:  # set by `prefill`
+      if kv_cache.leaf_name(path) in kv_cache.INDEX_NAMES:  # set by `prefill`
         return jnp.zeros(filled.shape[:1], packed.dtype)
       rows = prompt_packing.unpack(packed, places, filled != 0)  # [b, ..., P]
       return jnp.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, max_len)])

@@ -98,7 +98,7 @@ def with_lengths(cache: Any, lengths: Array) -> Any:
   it are written over by its next tokens, and unseen until then)."""
   lengths = jnp.asarray(lengths, jnp.int32)
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: lengths if _name(path) in INDEX_NAMES else x, cache)
+      lambda path, x: lengths if leaf_name(path) in INDEX_NAMES else x, cache)
 
 
 def insert_rows(cache: Any, rows_cache: Any, row_ids: Array) -> Any:
@@ -112,7 +112,7 @@ def insert_rows(cache: Any, rows_cache: Any, row_ids: Array) -> Any:
 def length_and_rows(cache: Any) -> tuple[int, int]:
   """(slots, rows) of a cache's self-attention keys."""
   for path, x in jax.tree_util.tree_leaves_with_path(cache):
-    if _name(path) == "cached_key":
+    if leaf_name(path) == "cached_key":
       return x.shape[-1], x.shape[0]
   raise ValueError("The cache holds no self-attention keys ('cached_key').")
 
@@ -122,7 +122,8 @@ def length(cache: Any) -> int:
   return length_and_rows(cache)[0]
 
 
-def _name(path) -> str | None:
+def leaf_name(path) -> str | None:
+  """The key naming a tree leaf (a `tree_map_with_path` path), or None."""
   return getattr(path[-1], "key", None)
 
 
@@ -164,7 +165,7 @@ def expand_beams(cache: Any, beams: int) -> Any:
   """Beam search's expansion of a cache filled for `beams` > 1 (decoding.expand_cache): each
   row repeated `beams` times, except `with_beam_slots`' leaves, made per beam already."""
   def expand(path, x):
-    if _name(path) in _PER_BEAM:
+    if leaf_name(path) in _PER_BEAM:
       return x
     return jnp.repeat(x, beams, axis=0)
   return jax.tree_util.tree_map_with_path(expand, cache)
@@ -176,7 +177,7 @@ def reorder_beams(cache: Any, rows: Array) -> Any:
   (`beam_attention`) are pointed at the rows that hold its new hypothesis's slots instead.
   Every other per-row entry of the cache is gathered."""
   def reorder(path, x):
-    name = _name(path)
+    name = leaf_name(path)
     if name in ("cached_key", "cached_value") + SCALE_NAMES + _PER_BEAM:
       return x
     if name == "slot_rows":

@@ -67,8 +67,7 @@ class SlotPool:
     end_ids = tuple(decoding_config.end_ids)
     processor = batch_decoder.logits_processor(decoding_config)
 
-    def empty(params, prompts, settings):
-      del settings
+    def empty(params, prompts):
       # Zeros of a prefill's shapes: no row is read until a refill (a prefill of the pool's
       # rows at full length would cost a 135M-parameter model most of a minute on a CPU).
       shapes = jax.eval_shape(lambda: runner.prefill(params, prompts, prompts.shape[0],
@@ -121,8 +120,7 @@ class SlotPool:
   def _start(self):
     """The pool's state: every slot free (zeros, marked finished)."""
     prompts = np.full((self.rows, self.source_length), 3, np.int32)
-    return self._empty(self._params(), self.layout.eval_batch(prompts),
-                       self.layout.eval_batch(batch_decoder.settings([], self.rows)))
+    return self._empty(self._params(), self.layout.eval_batch(prompts))
 
   def admit(self, rows: Sequence[batch_decoder.Row], handles: Sequence[Any]) -> None:
     """Reads `rows` (at most `free()`) into free slots; `handles` come back with their
@@ -189,8 +187,7 @@ class SlotPool:
       if slot is None:
         continue
       at = (i // per_part) * k + i % per_part
-      ids, logprobs = batch_decoder.so_far({name: x[at:at + 1] for name, x in progress.items()},
-                                           0, slot.limit)
+      ids, logprobs = batch_decoder.so_far(progress, at, slot.limit)
       if slot.row.on_tokens is not None and len(ids) > slot.told:
         slot.told = len(ids)
         batch_decoder.tell(slot.row, ids, logprobs)
