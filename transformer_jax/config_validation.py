@@ -24,6 +24,7 @@ from transformer_jax.model import kernels
 from transformer_jax.model import kv_cache
 from transformer_jax.model import layers
 from transformer_jax.model import lora as lora_lib
+from transformer_jax.model import quantization
 
 CHOICES = {
     "task": ("translation", "summarization", "classification", "multitask"),
@@ -47,6 +48,7 @@ CHOICES = {
     "model.pooling": ("mean", "first", "attention", "cls_pooler", "cls_head"),
     "checkpoint_best_mode": ("max", "min"),
     "lora.base_dtype": ("float32", "bfloat16"),
+    "quantization.weights": quantization.WEIGHT_TYPES,
 }
 
 # key: (lowest, highest or None, whether the lowest is allowed, whether the highest is)
@@ -170,7 +172,7 @@ def problems(config: ml_collections.ConfigDict, device_count: int | None = None)
 def _cross_key_problems(config: ml_collections.ConfigDict,
                         device_count: int | None) -> list[str]:
   return (_model_problems(config) + _lora_problems(config) + _data_problems(config)
-          + _decoding_problems(config)
+          + _decoding_problems(config) + _quantization_problems(config)
           + _run_record_problems(config) + _rule_problems(config.parallel.logical_axis_rules)
           + _device_problems(config, device_count)
           # The platform once the devices are up (train.py); else what any platform refuses.
@@ -348,6 +350,25 @@ def _decoding_problems(config: ml_collections.ConfigDict) -> list[str]:
     if value not in kv_cache.CACHE_DTYPES:
       found.append(f"config.{where}.kv_cache_dtype={value!r} is not one of "
                    f"{kv_cache.CACHE_DTYPES[1:]} ('' = the model's dtype)")
+  return found
+
+
+def _quantization_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """config.quantization against the model it quantizes."""
+  q = config.get("quantization")
+  if q is None or q.weights not in quantization.WEIGHT_TYPES[1:]:
+    return []
+  found = []
+  if q.embeddings and not families.generates_text(config):
+    found.append("config.quantization.embeddings quantizes the output layer, but a "
+                 "classifier's output is its class head, which stays float: leave it False")
+  elif q.embeddings and config.model.get("tie_output", True):
+    found.append("config.quantization.embeddings quantizes an untied output layer, but this "
+                 "model's is the token embedding (model.tie_output), which stays float: "
+                 "leave it False")
+  if q.weights == "int4":
+    problem = quantization.group_problem(q.group_size, config.model)
+    found += [problem] if problem else []
   return found
 
 

@@ -164,6 +164,15 @@ def get_config() -> ml_collections.ConfigDict:
       # adapter_model.safetensors made for config.pretrained) instead of B = 0; '' = fresh.
       init="",
   ))
+  # Weight-only quantization for --mode predict / evaluate / serve and Predictor, applied at
+  # load (docs/quantization.md): 'none', 'int8' (one scale per output channel) or 'int4' (one
+  # scale per group_size inputs). Training refuses it (LoRA over a quantized base: lora).
+  config.quantization = ml_collections.ConfigDict(dict(
+      weights="none",
+      group_size=128,
+      # Also quantize an untied output layer (the token embedding itself stays float).
+      embeddings=False,
+  ))
   # A multilingual checkpoint's languages, in its own codes: NLLB-200 'vie_Latn', M2M100 'vi',
   # mBART-50 'vi_VN'. The source is tagged as the checkpoint expects and decoding forces the
   # target code as the first output token (pretrained/languages.py). '' = none (a checkpoint

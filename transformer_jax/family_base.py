@@ -19,6 +19,7 @@ from transformer_jax.data import pipeline
 from transformer_jax.inference import generate
 from transformer_jax.model import kv_cache
 from transformer_jax.model import lora as lora_lib
+from transformer_jax.model import quantization
 from transformer_jax.model import schema as model_schema
 
 Array = jax.Array
@@ -38,7 +39,11 @@ class Family(abc.ABC):
   def __init__(self, config: ml_collections.ConfigDict):
     self.config = config
     self.model_config = model_schema.model_config(config.model, lora=lora_lib.spec(config))
-    self.model = self._make_model()
+    # config.quantization: what self.model reads its projections' kernels as (None: float).
+    self.quantization = quantization.spec(
+        config.get("quantization"), self.model_config.qkv_dim // self.model_config.num_heads)
+    self.float_model = self._make_model()
+    self.model = quantization.quantized(self.float_model, self.quantization)
 
   def trained_in_full(self) -> tuple[str, ...]:
     """Top-level parameters that train in full beside LoRA adapters (PEFT's
@@ -55,14 +60,17 @@ class Family(abc.ABC):
 
   # ---- Training ---------------------------------------------------------------------------
 
-  def init_params(self, rng: Array, *, boxed: bool = False) -> dict:
-    """Parameters from one-token dummy inputs (their shapes do not depend on length).
+  def init_params(self, rng: Array, *, boxed: bool = False, quantized: bool = False) -> dict:
+    """Parameters from one-token dummy inputs (their shapes do not depend on length): float,
+    as checkpoints hold them, or with `quantized` in config.quantization's layout (what
+    self.model reads).
 
     With `boxed`, every parameter stays wrapped with the logical axis names it was created
     with (`nn.with_logical_partitioning` in the model), which a jit layout maps to the mesh.
     """
     ones = jnp.ones((1, 1), jnp.int32)
-    params = self.model.init(rng, *[ones] * self.num_model_inputs, deterministic=True)["params"]
+    model = self.model if quantized else self.float_model
+    params = model.init(rng, *[ones] * self.num_model_inputs, deterministic=True)["params"]
     return params if boxed else parallel.unbox(params)
 
   @abc.abstractmethod
@@ -160,7 +168,8 @@ class SequenceFamily(Family):
     cache_dtype = self.config.get("decoding", {}).get("kv_cache_dtype", "")
     if not cache_dtype:
       return self.model
-    return self._make_model().clone(config=self.model_config.replace(kv_cache_dtype=cache_dtype))
+    model = self._make_model().clone(config=self.model_config.replace(kv_cache_dtype=cache_dtype))
+    return quantization.quantized(model, self.quantization)
 
   @property
   def logits_chunk_length(self) -> int:

@@ -28,6 +28,7 @@ from transformer_jax import workdir as workdir_lib
 from transformer_jax.data import prompt_format
 from transformer_jax.inference import generate
 from transformer_jax.model import lora as lora_lib
+from transformer_jax.model import quantization
 from transformer_jax.pretrained import run_files
 
 
@@ -49,8 +50,10 @@ class Predictor:
     # parameters are copied onto its devices: the Predictor never shares buffers with a
     # training state that a donated step may overwrite.
     self.generator = generate.Generator(self.family, layout or parallel.make_layout(config))
-    boxed = jax.eval_shape(functools.partial(self.family.init_params, boxed=True),
-                           jax.random.PRNGKey(0))
+    boxed = jax.eval_shape(functools.partial(self.family.init_params, boxed=True,
+                                             quantized=True), jax.random.PRNGKey(0))
+    if self.family.quantization:  # config.quantization: float weights quantized at load
+      params = quantization.quantize_params(params, boxed)
     self.device_params = self.generator.layout.place_params(params, boxed)
 
   @classmethod

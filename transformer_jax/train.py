@@ -166,6 +166,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   With `config.pretrained`, the checkpoint sets the model's architecture keys first and its
   weights start the run (unless the workdir already holds a checkpoint to resume from).
   """
+  if config.quantization.weights != "none":
+    raise config_validation.ConfigError(
+        f"config.quantization.weights={config.quantization.weights!r} quantizes a model for "
+        "--mode predict / evaluate / serve; training refuses it: leave it 'none'.")
   if config.pretrained:
     from transformer_jax import pretrained_run  # pylint: disable=g-import-not-at-top
     checkpoint = pretrained_run.run_checkpoint(config, workdir)

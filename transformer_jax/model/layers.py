@@ -228,7 +228,9 @@ def float32_sum_dot(lhs: Array, rhs: Array, dimension_numbers, precision=None,
   multiplied in float32 (products of bfloat16 values are exact in float32: the same sums)."""
   del preferred_element_type, kwargs  # always float32
   if jax.default_backend() == "cpu":
-    lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
+    # A quantized kernel (model/quantization.py) is no array: it dequantizes itself.
+    lhs = lhs.astype(jnp.float32)
+    rhs = rhs.astype(jnp.float32) if isinstance(rhs, jax.Array) else rhs
   return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision,
                              preferred_element_type=jnp.float32)
 

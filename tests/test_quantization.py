@@ -1,0 +1,144 @@
+"""Weight-only quantization for inference (issue #60, config.quantization): int8 and int4
+kernels through qwix, how close they stay to the float model, the same outputs on every device
+layout, and bad settings refused in one line before anything is read or compiled."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from tests import cli
+from tests import hf_fixtures
+from transformer_jax import config_validation
+from transformer_jax import default_config
+from transformer_jax import parallel
+from transformer_jax import predict
+from transformer_jax.model import quantization
+
+TEXTS = hf_fixtures.model_sentences("en", 12)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+  return hf_fixtures.folder_maker(tmp_path_factory)
+
+
+def _predictor(folder, weights="none", **settings):
+  config = default_config.get_config()
+  config.max_source_length, config.max_target_length = 24, 12
+  config.quantization.update(weights=weights, **settings)
+  return predict.Predictor.from_pretrained(folder, config)
+
+
+def _log_probs(predictor) -> tuple[np.ndarray, np.ndarray]:
+  """Teacher-forced log-probabilities [texts, len, vocab] of TEXTS, and where they count."""
+  ids = [predictor.tokenizer.encode(t)[:16] for t in TEXTS]
+  tokens = np.array([i + [0] * (16 - len(i)) for i in ids], np.int32)
+  batch = {"inputs": tokens, "targets": tokens}
+  params = jax.tree.map(parallel.first_local_copy, predictor.device_params)
+  logits = predictor.family.forward(params, batch, deterministic=True)
+  return np.asarray(jax.nn.log_softmax(logits)), tokens != 0
+
+
+def _kernel_bytes(params) -> int:
+  """Bytes of the projections' kernels (with their scales), where quantization applies."""
+  leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=quantization.is_quantized)[0]
+  return sum(quantization.parameter_bytes(leaf) for path, leaf in leaves
+             if path[-1].key == "kernel" and "logits_dense" not in jax.tree_util.keystr(path))
+
+
+# Measured on these tiny random checkpoints (hf_fixtures: 32 wide, weights drawn wide, so
+# their outputs are sharper than a trained model's), teacher-forced over 12 sentences: the share
+# of positions whose most likely token is unchanged, and the mean |change| of that token's
+# log-probability. int8 (per channel): llama 0.962 / 0.059, bart 0.962 / 0.047. int4 (groups of
+# 16, 16 levels for weights this wide): llama 0.457 / 1.70, bart 0.548 / 0.46. The bounds leave
+# a margin under those.
+BOUNDS = {("llama", "int8"): (0.9, 0.1), ("bart", "int8"): (0.9, 0.1),
+          ("llama", "int4"): (0.4, 2.5), ("bart", "int4"): (0.45, 0.7)}
+
+
+@pytest.mark.parametrize("kind", ["llama", "bart"])
+def test_int8_and_int4_weights_stay_close_to_the_float_model(folders, kind):
+  float_model = _predictor(folders(kind))
+  reference, counted = _log_probs(float_model)
+  best = reference.argmax(-1)
+  float_bytes = _kernel_bytes(float_model.device_params)
+  for weights, ratio in (("int8", 0.3), ("int4", 0.2)):
+    model = _predictor(folders(kind), weights, group_size=16)
+    log_probs, _ = _log_probs(model)
+    agree = (log_probs.argmax(-1) == best)[counted].mean()
+    moved = np.abs(np.take_along_axis(log_probs - reference, best[..., None], -1))[counted]
+    least_agreement, most_moved = BOUNDS[kind, weights]
+    assert agree >= least_agreement and moved.mean() <= most_moved, (weights, agree,
+                                                                      moved.mean())
+    assert _kernel_bytes(model.device_params) <= ratio * float_bytes
+  # Greedy outputs: the first tokens agree (a random model's later tokens may part).
+  assert all(a[:2] == b[:2] for a, b in zip(
+      float_model.predict(TEXTS[:4], method="greedy"),
+      _predictor(folders(kind), "int8").predict(TEXTS[:4], method="greedy")))
+
+
+def test_the_untied_output_layer_is_quantized_only_when_asked(folders):
+  float_kept = _predictor(folders("llama"), "int8").device_params
+  assert not quantization.is_quantized(float_kept["logits_dense"]["kernel"])
+  quantized = _predictor(folders("llama"), "int8", embeddings=True).device_params
+  assert quantization.is_quantized(quantized["logits_dense"]["kernel"])
+  assert not quantization.is_quantized(quantized["embedding"]["embedding"]["embedding"])
+
+
+def _predict_jsonl(folder, devices, *overrides):
+  result = cli.run_main("--pretrained", folder, "--mode", "predict", "--output_format", "jsonl",
+                        "--config.quantization.weights=int8", "--config.max_source_length=24",
+                        "--config.max_target_length=12", *overrides,
+                        input="\n".join(TEXTS[:8]) + "\n", environ=cli.env(devices))
+  assert result.returncode == 0, result.stderr[-3000:]
+  return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_a_quantized_model_gives_the_same_outputs_under_pmap_and_the_mesh(folders):
+  one = _predict_jsonl(folders("llama"), 1)
+  mesh = _predict_jsonl(folders("llama"), 8, "--config.parallel.mode=jit",
+                        "--config.parallel.data=2", "--config.parallel.fsdp=2",
+                        "--config.parallel.tensor=2")
+  pmap = _predict_jsonl(folders("llama"), 8)
+  outputs = lambda lines: [output for line in lines for output in line["outputs"]]
+  for other in (mesh, pmap):
+    assert [o["text"] for o in outputs(other)] == [o["text"] for o in outputs(one)]
+    np.testing.assert_allclose([o["score"] for o in outputs(other)],
+                               [o["score"] for o in outputs(one)], atol=1e-4)
+
+
+def _problems(**keys) -> list[str]:
+  config = default_config.get_config()
+  for key, value in keys.items():
+    section, name = key.split(".")
+    config[section][name] = value
+  return config_validation.problems(config)
+
+
+def test_bad_quantization_settings_are_refused_in_one_line(folders, tmp_path):
+  assert any("config.quantization.weights='int3' is not one of none, int8, int4" in p
+             for p in _problems(**{"quantization.weights": "int3"}))
+  # int4 groups must tile each kernel's input (emb_dim 512, mlp_dim 2048, heads of 64).
+  assert not _problems(**{"quantization.weights": "int4", "quantization.group_size": 128})
+  (problem,) = _problems(**{"quantization.weights": "int4", "quantization.group_size": 96})
+  assert "group_size=96 does not divide model.emb_dim" in problem and "e.g. 64" in problem
+  # The demo's output layer is its tied embedding.
+  (problem,) = _problems(**{"quantization.weights": "int8", "quantization.embeddings": True})
+  assert "model.tie_output" in problem
+  # From the command line, before anything is read or compiled: a classifier's head ...
+  result = cli.run_main("--pretrained", folders("bert"), "--mode", "predict",
+                        "--config.quantization.weights=int8",
+                        "--config.quantization.embeddings=true", input="a\n")
+  assert "a classifier's output is its class head" in cli.user_error(result.stderr)
+  # ... an int4 group that does not divide the llama's 64-wide feed-forward ...
+  result = cli.run_main("--pretrained", folders("llama"), "--mode", "predict",
+                        "--config.quantization.weights=int4",
+                        "--config.quantization.group_size=24", input="a\n")
+  assert "group_size=24 does not divide model.emb_dim=32" in cli.user_error(result.stderr)
+  # ... and training, which quantization is not for: nothing is written.
+  workdir = tmp_path / "run"
+  result = cli.run(workdir, "--config", "configs/demo.py", "--config.quantization.weights=int8")
+  assert "training refuses it" in cli.user_error(result.stderr)
+  assert not workdir.exists()

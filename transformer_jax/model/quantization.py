@@ -1,0 +1,119 @@
+"""Weight-only quantization for inference (config.quantization, docs/quantization.md), through
+qwix, Google's quantization library for Flax.
+
+`quantized(model, spec)` is the same Flax model with qwix intercepting its projections'
+matmuls: each reads its kernel as int8 (one float32 scale per output channel) or int4 (one
+scale per `group_size` inputs of an output channel), dequantized into the matmul, which XLA
+fuses on accelerators. `quantize_params` turns float parameters (a checkpoint's) into that
+layout. Norms, biases, position tables and the token embedding stay as they are; so do the
+output layer (unless `spec.output_layer`: an untied one) and a classifier's head and pooler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import qwix
+
+WEIGHT_TYPES = ("none", "int8", "int4")
+_QTYPES = {"int8": jnp.int8, "int4": jnp.int4}
+# Entry points the families call with `method=` (each one intercepted; nested calls are
+# quantized once).
+_METHODS = ("__call__", "encode", "decode", "states", "logits")
+# Projections that stay float: an untied output layer (unless asked), a classifier's head and
+# pooler, and LoRA adapters (trained in float over a quantized base).
+_OUTPUT_LAYER = "logits_dense"
+_ALWAYS_FLOAT = (r"(.*/)?(head|pooler|pooling_query)", r".*_lora(/.*)?")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizationSpec:
+  """How a model's weights are held: `weights` 'int8' or 'int4', int4's `group_size` inputs per
+  scale (the attention output projection's groups are at most a head's width: qwix groups a
+  kernel's last input axis), and whether the untied output layer is quantized too."""
+  weights: str
+  group_size: int = 128
+  head_dim: int = 0
+  output_layer: bool = False
+
+
+def spec(quantization, head_dim: int) -> QuantizationSpec | None:
+  """The spec of a config's `quantization` block (None: float weights, the default)."""
+  if quantization is None or quantization.get("weights", "none") == "none":
+    return None
+  return QuantizationSpec(quantization.weights, int(quantization.get("group_size", 128)),
+                          head_dim, bool(quantization.get("embeddings", False)))
+
+
+def rules(s: QuantizationSpec) -> list[qwix.QuantizationRule]:
+  """qwix's rules, first match wins: what stays float, then every other projection."""
+  qtype = _QTYPES[s.weights]
+  float_paths = _ALWAYS_FLOAT + (() if s.output_layer else (rf"(.*/)?{_OUTPUT_LAYER}",))
+  found = [qwix.QuantizationRule(module_path=path) for path in float_paths]
+  if s.weights == "int4":
+    head_group = min(s.group_size, s.head_dim) if s.head_dim else s.group_size
+    found.append(qwix.QuantizationRule(module_path=r"(.*/)?out", weight_qtype=qtype,
+                                       tile_size=head_group))
+  found.append(qwix.QuantizationRule(module_path=".*", weight_qtype=qtype,
+                                     tile_size=s.group_size if s.weights == "int4" else None))
+  return found
+
+
+def quantized(model: nn.Module, s: QuantizationSpec | None) -> nn.Module:
+  """`model` reading its projections' kernels as `s` holds them (itself where `s` is None)."""
+  if s is None:
+    return model
+  methods = [name for name in _METHODS if hasattr(model, name)]
+  return qwix.quantize_model(model, qwix.PtqProvider(rules(s)), methods=methods)
+
+
+def quantize_params(params: Any, abstract_quantized: Any) -> Any:
+  """Float `params` (host or device arrays) in the layout of `abstract_quantized` (the
+  quantized model's parameters from jax.eval_shape, boxed or not). Each kernel is quantized
+  on its own, so a float copy of the whole model is never made."""
+  as_arrays = jax.tree.map(jnp.asarray, params)
+  return qwix.quantize_params(as_arrays, abstract_quantized)
+
+
+def is_quantized(leaf: Any) -> bool:
+  """Whether a parameter leaf (not descended into) is a quantized kernel."""
+  return hasattr(leaf, "array") and hasattr(leaf, "how")
+
+
+def parameter_bytes(params: Any) -> int:
+  """Bytes the parameters hold (int4: half a byte per value)."""
+  total = 0
+  for leaf in jax.tree.leaves(params):
+    bits = jnp.iinfo(leaf.dtype).bits if jnp.issubdtype(leaf.dtype, jnp.integer) \
+        else jnp.finfo(leaf.dtype).bits
+    total += leaf.size * bits // 8
+  return total
+
+
+def group_problem(group_size: int, model_config) -> str | None:
+  """Why int4 groups of `group_size` cannot tile this model's kernels (None: they can). qwix
+  groups a kernel's last input axis: emb_dim for the attention and feed-forward inputs,
+  mlp_dim for the feed-forward output, a head's width for the attention output (whose groups
+  shrink to it where it is narrower)."""
+  if group_size <= 0:
+    return f"config.quantization.group_size={group_size} must be positive"
+  head_dim = model_config.qkv_dim // model_config.num_heads
+  widths = [("model.emb_dim", model_config.emb_dim, "the attention and feed-forward inputs"),
+            ("model.mlp_dim", model_config.mlp_dim, "the feed-forward output's input")]
+  if head_dim > group_size:
+    widths.append(("a head's width (model.qkv_dim / model.num_heads)", head_dim,
+                   "the attention output's input"))
+  for key, width, what in widths:
+    if width % group_size:
+      return (f"config.quantization.group_size={group_size} does not divide {key}={width} "
+              f"({what}): use a divisor of it (e.g. {_largest_divisor(width, group_size)})")
+  return None
+
+
+def _largest_divisor(width: int, at_most: int) -> int:
+  return max(d for d in range(1, min(width, at_most) + 1) if width % d == 0)
+
