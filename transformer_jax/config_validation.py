@@ -359,6 +359,9 @@ def _quantization_problems(config: ml_collections.ConfigDict) -> list[str]:
   if q is None or q.weights not in quantization.WEIGHT_TYPES[1:]:
     return []
   found = []
+  if importlib.util.find_spec(quantization.LIBRARY) is None:
+    found.append(f"config.quantization.weights={q.weights!r} needs {quantization.LIBRARY}: "
+                 "pip install -r requirements.txt (or pip install '.[quantization]')")
   if q.embeddings and not families.generates_text(config):
     found.append("config.quantization.embeddings quantizes the output layer, but a "
                  "classifier's output is its class head, which stays float: leave it False")

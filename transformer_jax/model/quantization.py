@@ -17,10 +17,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import qwix
 
 WEIGHT_TYPES = ("none", "int8", "int4")
 _QTYPES = {"int8": jnp.int8, "int4": jnp.int4}
+LIBRARY = "qwix"  # imported where a model is quantized: float models never need it
 # Entry points the families call with `method=` (each one intercepted; nested calls are
 # quantized once).
 _METHODS = ("__call__", "encode", "decode", "states", "logits")
@@ -49,8 +49,9 @@ def spec(quantization, head_dim: int) -> QuantizationSpec | None:
                           head_dim, bool(quantization.get("embeddings", False)))
 
 
-def rules(s: QuantizationSpec) -> list[qwix.QuantizationRule]:
+def rules(s: QuantizationSpec) -> list:
   """qwix's rules, first match wins: what stays float, then every other projection."""
+  import qwix  # pylint: disable=import-outside-toplevel
   qtype = _QTYPES[s.weights]
   float_paths = _ALWAYS_FLOAT + (() if s.output_layer else (rf"(.*/)?{_OUTPUT_LAYER}",))
   found = [qwix.QuantizationRule(module_path=path) for path in float_paths]
@@ -67,6 +68,7 @@ def quantized(model: nn.Module, s: QuantizationSpec | None) -> nn.Module:
   """`model` reading its projections' kernels as `s` holds them (itself where `s` is None)."""
   if s is None:
     return model
+  import qwix  # pylint: disable=import-outside-toplevel
   methods = [name for name in _METHODS if hasattr(model, name)]
   return qwix.quantize_model(model, qwix.PtqProvider(rules(s)), methods=methods)
 
@@ -75,6 +77,7 @@ def quantize_params(params: Any, abstract_quantized: Any) -> Any:
   """Float `params` (host or device arrays) in the layout of `abstract_quantized` (the
   quantized model's parameters from jax.eval_shape, boxed or not). Each kernel is quantized
   on its own, so a float copy of the whole model is never made."""
+  import qwix  # pylint: disable=import-outside-toplevel
   as_arrays = jax.tree.map(jnp.asarray, params)
   return qwix.quantize_params(as_arrays, abstract_quantized)
 
