@@ -10,11 +10,19 @@ import pytest
 
 from tests import cli
 from tests import hf_fixtures
+from tests.conftest import make_tiny_config
+from transformer_jax import commands
 from transformer_jax import config_validation
 from transformer_jax import default_config
+from transformer_jax import families
 from transformer_jax import parallel
 from transformer_jax import predict
+from transformer_jax import train
+from transformer_jax import workdir as workdir_lib
+from transformer_jax.model import lora as lora_lib
 from transformer_jax.model import quantization
+from transformer_jax.pretrained import checkpoint as checkpoint_lib
+from transformer_jax.pretrained import export
 
 TEXTS = hf_fixtures.model_sentences("en", 12)
 
@@ -142,3 +150,71 @@ def test_bad_quantization_settings_are_refused_in_one_line(folders, tmp_path):
   result = cli.run(workdir, "--config", "configs/demo.py", "--config.quantization.weights=int8")
   assert "training refuses it" in cli.user_error(result.stderr)
   assert not workdir.exists()
+
+
+# ---- LoRA over a quantized base (QLoRA: config.lora.base_dtype 'int8' / 'int4') -------------
+
+def _qlora_config(folder, data_cache, steps, base_dtype="int8"):
+  config = make_tiny_config(data_cache)
+  config.update(architecture="decoder_only", pretrained=folder, num_train_steps=steps,
+                eval_every_steps=steps, checkpoint_every_steps=6, learning_rate=3e-3,
+                num_generate_examples=0)
+  config.model.dropout_rate = 0.0
+  config.lora.update(rank=4, targets="all", base_dtype=base_dtype)
+  config.quantization.group_size = 16  # int4: the tiny llama is 32 wide
+  return config
+
+
+@pytest.fixture(scope="module")
+def qlora_run(folders, tmp_path_factory, data_cache):
+  """Llama with adapters on every projection over an int8 base: 6 steps, resumed to 12."""
+  workdir = str(tmp_path_factory.mktemp("qlora") / "run")
+  first = train.train_and_evaluate(_qlora_config(folders("llama"), data_cache, 6), workdir)
+  last = train.train_and_evaluate(_qlora_config(folders("llama"), data_cache, 12), workdir)
+  return workdir, first, last
+
+
+def test_lora_over_an_int8_base_trains_and_resumes_exactly(qlora_run, folders, tmp_path,
+                                                           data_cache):
+  workdir, first, last = qlora_run
+  assert last["loss"] < first["loss"]
+  family = families.get(workdir_lib.load_config(workdir))
+  trained, base, step = predict.restore_lora(workdir, family)
+  assert step == 12
+  kernels = [x for x in jax.tree.leaves(base, is_leaf=quantization.is_quantized)
+             if quantization.is_quantized(x)]
+  assert len(kernels) == 2 * 6 and {x.array.qvalue.dtype for x in kernels} == {np.dtype(np.int8)}
+  # query, kv, out, wi, wi_gate, wo per layer; the import's kernels quantized, once.
+  imported = checkpoint_lib.read_params(checkpoint_lib.open_checkpoint(folders("llama")))
+  np.testing.assert_allclose(
+      quantization.dequantized(base)["decoder"]["layer_0"]["ffn"]["wi"]["kernel"],
+      imported["decoder"]["layer_0"]["ffn"]["wi"]["kernel"], atol=0.01 * 0.3 * 4)
+  whole = train.train_and_evaluate(_qlora_config(folders("llama"), data_cache, 12),
+                                   str(tmp_path / "whole"))
+  np.testing.assert_allclose(last["loss"], whole["loss"], rtol=1e-6)
+  theirs, _, _ = predict.restore_lora(str(tmp_path / "whole"), family, with_base=False)
+  for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(theirs)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_a_qlora_adapter_loads_in_peft_onto_the_dequantized_base(qlora_run, tmp_path):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  peft = pytest.importorskip("peft")
+  workdir, _, _ = qlora_run
+  config = workdir_lib.load_config(workdir)
+  family = families.get(config)
+  _, base, _ = predict.restore_lora(workdir, family)
+  base_folder, adapter_folder, merged_folder = (str(tmp_path / n) for n in ("b", "a", "m"))
+  float_family = families.get(lora_lib.without(config))
+  export.export(jax.device_get(quantization.dequantized(base)), float_family.model_config,
+                workdir, base_folder)
+  commands.run_export(workdir, adapter_folder, export_format="peft")
+  commands.run_export(workdir, merged_folder)  # merged: the dequantized base + the adapters
+  tokens = torch.tensor([[5, 9, 12, 7, 30, 22, 1, 44]])
+  with torch.no_grad():
+    adapted = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(base_folder), adapter_folder)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_folder)
+    np.testing.assert_allclose(adapted(tokens).logits.numpy(), merged(tokens).logits.numpy(),
+                               atol=1e-4)

@@ -76,6 +76,8 @@ def best_record(checkpoints: ocp.CheckpointManager) -> dict | None:
 
 def _as_words(x: jax.Array) -> jax.Array:
   """The array's bits as uint32 words (narrower types widened, wider ones split)."""
+  if jnp.dtype(x.dtype) in (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4)):
+    x = x.astype(jnp.int8)  # a quantized LoRA base's half-bytes, widened exactly
   size = jnp.dtype(x.dtype).itemsize
   if size == 8:
     return jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
@@ -210,12 +212,18 @@ def _shape_mismatches(metadata: Any, params: Any) -> list[str]:
 def shape_differences(have: Any, wanted: Any, have_name: str, prefix: str = "") -> list[str]:
   """One line per leaf whose shape in `have` differs from the model's (`wanted`), a leaf
   missing from either tree showing None."""
-  wanted = {jax.tree_util.keystr(p): tuple(x.shape)
-            for p, x in jax.tree_util.tree_leaves_with_path(wanted)}
-  have = {jax.tree_util.keystr(p): tuple(getattr(x, "shape", ()))
+  wanted = {_key(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(wanted)}
+  have = {_key(p): tuple(getattr(x, "shape", ()))
           for p, x in jax.tree_util.tree_leaves_with_path(have)}
   return [f"{prefix}{key}: {have_name} {have.get(key)}, model {wanted.get(key)}"
           for key in sorted(set(wanted) | set(have)) if wanted.get(key) != have.get(key)]
+
+
+def _key(path) -> str:
+  """A leaf's path as ['a']['b'], whether its nodes are dicts or (a quantized kernel's)
+  dataclasses: Orbax's metadata holds the latter as dicts."""
+  names = (getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+  return "".join(f"[{name!r}]" for name in names)
 
 
 def _restore_step(checkpoints: ocp.CheckpointManager, step: int, items: dict,

@@ -47,7 +47,7 @@ CHOICES = {
     "model.remat_policy": ("full", "dots", "dots_no_batch"),
     "model.pooling": ("mean", "first", "attention", "cls_pooler", "cls_head"),
     "checkpoint_best_mode": ("max", "min"),
-    "lora.base_dtype": ("float32", "bfloat16"),
+    "lora.base_dtype": ("float32", "bfloat16", "int8", "int4"),
     "quantization.weights": quantization.WEIGHT_TYPES,
 }
 
@@ -356,11 +356,15 @@ def _decoding_problems(config: ml_collections.ConfigDict) -> list[str]:
 def _quantization_problems(config: ml_collections.ConfigDict) -> list[str]:
   """config.quantization against the model it quantizes."""
   q = config.get("quantization")
-  if q is None or q.weights not in quantization.WEIGHT_TYPES[1:]:
+  if q is None or q.weights not in quantization.WEIGHT_TYPES:
     return []
+  held = quantization.spec(config, 1)  # the weights asked for, or a QLoRA base's
+  if held is None:
+    return []
+  asked = ("config.quantization.weights" if q.weights != "none" else "config.lora.base_dtype")
   found = []
   if importlib.util.find_spec(quantization.LIBRARY) is None:
-    found.append(f"config.quantization.weights={q.weights!r} needs {quantization.LIBRARY}: "
+    found.append(f"{asked}={held.weights!r} needs {quantization.LIBRARY}: "
                  "pip install -r requirements.txt (or pip install '.[quantization]')")
   if q.embeddings and not families.generates_text(config):
     found.append("config.quantization.embeddings quantizes the output layer, but a "
@@ -369,7 +373,7 @@ def _quantization_problems(config: ml_collections.ConfigDict) -> list[str]:
     found.append("config.quantization.embeddings quantizes an untied output layer, but this "
                  "model's is the token embedding (model.tie_output), which stays float: "
                  "leave it False")
-  if q.weights == "int4":
+  if held.weights == "int4":
     problem = quantization.group_problem(q.group_size, config.model)
     found += [problem] if problem else []
   return found

@@ -157,8 +157,10 @@ def get_config() -> ml_collections.ConfigDict:
       # fc1 / wi, down_proj / fc2 / wo; BERT's query/key/value/attention.output.dense/
       # intermediate.dense/output.dense; GPT-2's c_attn/c_proj/c_fc/mlp.c_proj.
       targets="query,value",
-      # The frozen base's dtype in memory and in WORKDIR/lora_base: 'float32' or 'bfloat16'
-      # (half the memory; computation stays in config.model.dtype).
+      # The frozen base's dtype in memory and in WORKDIR/lora_base: 'float32', 'bfloat16'
+      # (half the memory; computation stays in config.model.dtype), or 'int8' / 'int4'
+      # (QLoRA: its kernels quantized as config.quantization describes, the adapters trained
+      # in float over them; docs/quantization.md).
       base_dtype="float32",
       # Start the adapters from a PEFT adapter folder (adapter_config.json and
       # adapter_model.safetensors made for config.pretrained) instead of B = 0; '' = fresh.

@@ -41,7 +41,7 @@ class Family(abc.ABC):
     self.model_config = model_schema.model_config(config.model, lora=lora_lib.spec(config))
     # config.quantization: what self.model reads its projections' kernels as (None: float).
     self.quantization = quantization.spec(
-        config.get("quantization"), self.model_config.qkv_dim // self.model_config.num_heads)
+        config, self.model_config.qkv_dim // self.model_config.num_heads)
     self.float_model = self._make_model()
     self.model = quantization.quantized(self.float_model, self.quantization)
 
@@ -72,6 +72,28 @@ class Family(abc.ABC):
     model = self.model if quantized else self.float_model
     params = model.init(rng, *[ones] * self.num_model_inputs, deterministic=True)["params"]
     return params if boxed else parallel.unbox(params)
+
+  def frozen_base(self, base: dict, layout=None) -> dict:
+    """A LoRA run's frozen base (float parameters) as config.lora.base_dtype holds it: a
+    float dtype cast, 'int8' / 'int4' quantized (QLoRA; under a jit `layout`, placed in the
+    quantized kernels' shardings)."""
+    if self.quantization is None:
+      return lora_lib.cast(base, self.config.lora.base_dtype)
+    frozen_boxed = self.frozen_abstract()
+    frozen = quantization.quantize_params(base, frozen_boxed)
+    return layout.place_params(frozen, frozen_boxed) if layout and layout.mode == "jit" \
+        else frozen
+
+  def frozen_abstract(self) -> dict:
+    """A LoRA run's frozen base as it is held, boxed abstract values (shapes, dtypes and
+    logical axes)."""
+    boxed = jax.eval_shape(lambda: self.init_params(jax.random.PRNGKey(0), boxed=True,
+                                                    quantized=True))
+    frozen = lora_lib.split(boxed, self.trained_in_full())[1]
+    if self.quantization is None:
+      dtype = jnp.dtype(self.config.lora.base_dtype)
+      frozen = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), frozen)
+    return frozen
 
   @abc.abstractmethod
   def forward(self, params, batch: dict, *, deterministic: bool, rngs=None) -> Array:

@@ -76,6 +76,7 @@ class Predictor:
             "--average_last averages weights, but a LoRA workdir's checkpoints hold adapters, "
             "whose products do not average: drop --average_last.")
       trained, base, step = restore_lora(workdir, family, step, layout)
+      base = quantization.dequantized(base)  # a QLoRA base: merged in float32
       params = lora_lib.merge(lora_lib.combine(trained, base), family.model_config.lora)
       return cls(lora_lib.without(config), tokenizer, params, step, layout)
     init = functools.partial(family.init_params, boxed=True)
@@ -235,11 +236,9 @@ def restore_lora(workdir: str, family, step: int | str | None = None, layout=Non
                                              layout=layout)
   if not with_base:
     return trained, None, step
-  boxed = jax.eval_shape(lambda: parts(jax.random.PRNGKey(0))[1])
+  # As it was saved (config.lora.base_dtype): its fingerprint is of those values.
+  boxed = family.frozen_abstract()
   like = parallel.unbox(boxed) if layout is None else layout.abstract_params(boxed)
-  # In the dtype it was saved in (config.lora.base_dtype): its fingerprint is of those values.
-  dtype = family.config.lora.base_dtype
-  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding), like)
   return trained, checkpoints.restore_lora_base(workdir, like), step
 
 

@@ -228,7 +228,7 @@ def lora_start(config: ml_collections.ConfigDict, workdir: str, family: families
     if layout.mode == "jit":
       trainable = layout.place_params(trainable, boxed)
     logging.info("Model: adapters of %s.", config.lora.init)
-  frozen = lora_lib.cast(base, config.lora.base_dtype)
+  frozen = family.frozen_base(base, layout)
   checkpoints.save_lora_base(workdir, frozen)
   return state.replace(params=trainable, frozen=frozen)
 

@@ -127,10 +127,13 @@ def create_state(config: ml_collections.ConfigDict, family: families.Family,
   their logical axis names; the layout's `create_state` places and unboxes them. With LoRA
   the optimizer sees only the adapters (and a classifier's head): the rest is `frozen`, in
   config.lora.base_dtype."""
-  params, frozen = family.init_params(rng, boxed=True), None
+  # Quantized only for LoRA over an int8 / int4 base (QLoRA): training refuses
+  # config.quantization.
+  params, frozen = family.init_params(rng, boxed=True, quantized=True), None
   if family.model_config.lora:
     params, frozen = lora_lib.split(params, family.trained_in_full())
-    frozen = lora_lib.cast(frozen, config.lora.base_dtype)
+    if family.quantization is None:
+      frozen = lora_lib.cast(frozen, config.lora.base_dtype)
   return TrainState.create(apply_fn=family.model.apply, params=params, frozen=frozen,
                            tx=optimizer.make_optimizer(config))
 

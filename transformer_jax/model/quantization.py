@@ -41,12 +41,23 @@ class QuantizationSpec:
   output_layer: bool = False
 
 
-def spec(quantization, head_dim: int) -> QuantizationSpec | None:
-  """The spec of a config's `quantization` block (None: float weights, the default)."""
-  if quantization is None or quantization.get("weights", "none") == "none":
+def spec(config, head_dim: int) -> QuantizationSpec | None:
+  """How a config's model holds its kernels (None: float, the default): config.quantization
+  for inference, or a LoRA run's frozen base in config.lora.base_dtype 'int8' / 'int4'
+  (QLoRA: the adapters train in float over it; int4 in config.quantization.group_size)."""
+  quantization, lora = config.get("quantization") or {}, config.get("lora") or {}
+  weights = quantization.get("weights", "none")
+  if lora.get("rank") and lora.get("base_dtype") in _QTYPES:
+    weights = lora["base_dtype"]
+  if weights == "none":
     return None
-  return QuantizationSpec(quantization.weights, int(quantization.get("group_size", 128)),
-                          head_dim, bool(quantization.get("embeddings", False)))
+  return QuantizationSpec(weights, int(quantization.get("group_size", 128)), head_dim,
+                          bool(quantization.get("embeddings", False)))
+
+
+def is_quantized_dtype(dtype_name: str) -> bool:
+  """Whether config.lora.base_dtype names a quantized base (QLoRA) rather than a float one."""
+  return dtype_name in _QTYPES
 
 
 def rules(s: QuantizationSpec) -> list:
@@ -80,6 +91,15 @@ def quantize_params(params: Any, abstract_quantized: Any) -> Any:
   import qwix  # pylint: disable=import-outside-toplevel
   as_arrays = jax.tree.map(jnp.asarray, params)
   return qwix.quantize_params(as_arrays, abstract_quantized)
+
+
+def dequantized(params: Any) -> Any:
+  """`params` with every quantized kernel back in float32 (its values as the model reads
+  them): a QLoRA base merged with its adapters, or exported."""
+  import qwix  # pylint: disable=import-outside-toplevel
+  return jax.tree.map(
+      lambda x: qwix.dequantize(x.array).astype(jnp.float32) if is_quantized(x) else x,
+      params, is_leaf=is_quantized)
 
 
 def is_quantized(leaf: Any) -> bool:
