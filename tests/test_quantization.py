@@ -218,3 +218,34 @@ def test_a_qlora_adapter_loads_in_peft_onto_the_dequantized_base(qlora_run, tmp_
     merged = transformers.AutoModelForCausalLM.from_pretrained(merged_folder)
     np.testing.assert_allclose(adapted(tokens).logits.numpy(), merged(tokens).logits.numpy(),
                                atol=1e-4)
+
+
+def test_lora_over_an_int4_base_on_an_eight_device_mesh_equals_one_device(folders, tmp_path,
+                                                                          data_cache):
+  """The quantized base placed in its kernels' shardings (data 2 x fsdp 2 x tensor 2): the same
+  losses and adapters as one device."""
+  config = _qlora_config(folders("llama"), data_cache, 6, base_dtype="int4")
+  config.per_device_batch_size = 16
+  one = str(tmp_path / "one")
+  first = train.train_and_evaluate(config, one)
+  mesh = str(tmp_path / "mesh")
+  result = cli.run(mesh, "--config.architecture=decoder_only",
+                   f"--config.pretrained={folders('llama')}", "--config.num_train_steps=6",
+                   "--config.eval_every_steps=6", "--config.checkpoint_every_steps=6",
+                   "--config.learning_rate=3e-3", "--config.num_generate_examples=0",
+                   "--config.model.dropout_rate=0", "--config.lora.rank=4",
+                   "--config.lora.targets=all", "--config.lora.base_dtype=int4",
+                   "--config.quantization.group_size=16", "--config.per_device_batch_size=2",
+                   "--config.parallel.mode=jit", "--config.parallel.data=2",
+                   "--config.parallel.fsdp=2", "--config.parallel.tensor=2", cache=data_cache,
+                   environ=cli.env(8))
+  assert result.returncode == 0, result.stderr[-3000:]
+  family = families.get(workdir_lib.load_config(one))
+  ours, base, _ = predict.restore_lora(one, family)
+  assert {x.array.qvalue.dtype for x in jax.tree.leaves(base, is_leaf=quantization.is_quantized)
+          if quantization.is_quantized(x)} == {np.dtype("int4")}
+  theirs, _, _ = predict.restore_lora(mesh, family, with_base=False)
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+  assert first["loss"] == pytest.approx(commands.run_evaluate(mesh, split="validation")["loss"],
+                                        rel=1e-5)
