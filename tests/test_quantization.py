@@ -60,10 +60,11 @@ def _kernel_bytes(params) -> int:
 # their outputs are sharper than a trained model's), teacher-forced over 12 sentences: the share
 # of positions whose most likely token is unchanged, and the mean |change| of that token's
 # log-probability. int8 (per channel): llama 0.962 / 0.059, bart 0.962 / 0.047. int4 (groups of
-# 16, 16 levels for weights this wide): llama 0.457 / 1.70, bart 0.548 / 0.46. The bounds leave
-# a margin under those.
+# 16, 16 levels for weights this wide): llama 0.440 / 1.66, bart 0.565 / 0.47. The bounds leave
+# a margin under those. Kernel memory: int8 0.28x float32; int4 in groups of 16 0.19x (a
+# float32 scale per 16 values; 0.16x with groups of 32).
 BOUNDS = {("llama", "int8"): (0.9, 0.1), ("bart", "int8"): (0.9, 0.1),
-          ("llama", "int4"): (0.4, 2.5), ("bart", "int4"): (0.45, 0.7)}
+          ("llama", "int4"): (0.35, 2.5), ("bart", "int4"): (0.45, 0.7)}
 
 
 @pytest.mark.parametrize("kind", ["llama", "bart"])
@@ -72,8 +73,8 @@ def test_int8_and_int4_weights_stay_close_to_the_float_model(folders, kind):
   reference, counted = _log_probs(float_model)
   best = reference.argmax(-1)
   float_bytes = _kernel_bytes(float_model.device_params)
-  for weights, ratio in (("int8", 0.3), ("int4", 0.2)):
-    model = _predictor(folders(kind), weights, group_size=16)
+  for weights, group_size, ratio in (("int8", 0, 0.3), ("int4", 16, 0.22)):
+    model = _predictor(folders(kind), weights, group_size=group_size)
     log_probs, _ = _log_probs(model)
     agree = (log_probs.argmax(-1) == best)[counted].mean()
     moved = np.abs(np.take_along_axis(log_probs - reference, best[..., None], -1))[counted]

@@ -373,8 +373,11 @@ def _quantization_problems(config: ml_collections.ConfigDict) -> list[str]:
     found.append("config.quantization.embeddings quantizes an untied output layer, but this "
                  "model's is the token embedding (model.tie_output), which stays float: "
                  "leave it False")
-  if held.weights == "int4":
-    problem = quantization.group_problem(q.group_size, config.model)
+  if q.group_size < 0:
+    found.append(f"config.quantization.group_size={q.group_size} must be 0 (the default) or "
+                 "positive")
+  elif held.group_size:
+    problem = quantization.group_problem(held.group_size, config.model)
     found += [problem] if problem else []
   return found
 

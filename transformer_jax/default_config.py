@@ -167,11 +167,12 @@ def get_config() -> ml_collections.ConfigDict:
       init="",
   ))
   # Weight-only quantization for --mode predict / evaluate / serve and Predictor, applied at
-  # load (docs/quantization.md): 'none', 'int8' (one scale per output channel) or 'int4' (one
-  # scale per group_size inputs). Training refuses it (LoRA over a quantized base: lora).
+  # load (docs/quantization.md): 'none', 'int8' or 'int4'. Training refuses it (LoRA over a
+  # quantized base: lora.base_dtype).
   config.quantization = ml_collections.ConfigDict(dict(
       weights="none",
-      group_size=128,
+      # Inputs per scale; 0 = one scale per output channel for int8, groups of 128 for int4.
+      group_size=0,
       # Also quantize an untied output layer (the token embedding itself stays float).
       embeddings=False,
   ))

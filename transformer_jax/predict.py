@@ -29,6 +29,7 @@ from transformer_jax.data import prompt_format
 from transformer_jax.inference import generate
 from transformer_jax.model import lora as lora_lib
 from transformer_jax.model import quantization
+from transformer_jax.pretrained import gguf_file
 from transformer_jax.pretrained import run_files
 
 
@@ -111,10 +112,13 @@ class Predictor:
     pretrained_run.apply(config, checkpoint, serving=True, given_keys=set(given_keys))
     if default_lengths:
       pretrained_run.serving_lengths(config)  # after `apply`: the checkpoint's family decides
+    # A GGUF file's Q8_0 / Q4_0 kernels are read as they are, into the quantized layout.
+    held = checkpoint.gguf is not None and gguf_file.hold_as_file(config, checkpoint.gguf,
+                                                                   adapter)
     config_validation.validate(config)
     tokenizer = run_files.tokenizer(checkpoint.folder, checkpoint.vocab, config)
-    boxed = jax.eval_shape(functools.partial(families.get(config).init_params, boxed=True),
-                           jax.random.PRNGKey(0))
+    boxed = jax.eval_shape(functools.partial(families.get(config).init_params, boxed=True,
+                                             quantized=held), jax.random.PRNGKey(0))
     # A bfloat16 checkpoint served with config.model.dtype='bfloat16' is held in bfloat16.
     dtype = checkpoint_lib.held_dtype(checkpoint, config.model.dtype)
     params = checkpoint_lib.read_params(checkpoint, parallel.unbox(boxed),

@@ -25,6 +25,7 @@ from transformer_jax.data import directions as directions_lib
 from transformer_jax.model import lora as lora_lib
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
 from transformer_jax.pretrained import generation
+from transformer_jax.pretrained import gguf_file
 from transformer_jax.pretrained import languages as languages_lib
 from transformer_jax.pretrained import run_files
 from transformer_jax.pretrained import tokenizer as tokenizer_lib
@@ -65,6 +66,10 @@ def run_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> checkpoin
   """The checkpoint a run starts from: described from the workdir's own copy of its config
   once the run has saved one (so a resumed run needs neither the original folder nor the
   network), else opened from `config.pretrained`."""
+  if config.pretrained and gguf_file.find(config.pretrained):
+    raise checkpoint_lib.PretrainedError(
+        f"{config.pretrained} is a GGUF file, which is served as it is (--pretrained FILE.gguf "
+        "with --mode predict / evaluate / serve); fine-tune from a Hugging Face folder.")
   files = run_files.files_dir(workdir)
   if run_files.saved(workdir) and (workdir_lib.path(workdir) / workdir_lib.CONFIG_FILE).exists():
     generation = files / "generation_config.json"

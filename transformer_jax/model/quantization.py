@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 WEIGHT_TYPES = ("none", "int8", "int4")
 _QTYPES = {"int8": jnp.int8, "int4": jnp.int4}
+DEFAULT_INT4_GROUP = 128
 LIBRARY = "qwix"  # imported where a model is quantized: float models never need it
 # Entry points the families call with `method=` (each one intercepted; nested calls are
 # quantized once).
@@ -32,11 +33,12 @@ _ALWAYS_FLOAT = (r"(.*/)?(head|pooler|pooling_query)", r".*_lora(/.*)?")
 
 @dataclasses.dataclass(frozen=True)
 class QuantizationSpec:
-  """How a model's weights are held: `weights` 'int8' or 'int4', int4's `group_size` inputs per
-  scale (the attention output projection's groups are at most a head's width: qwix groups a
-  kernel's last input axis), and whether the untied output layer is quantized too."""
+  """How a model's weights are held: `weights` 'int8' or 'int4', `group_size` inputs per scale
+  (0: one scale per output channel; the attention output projection's groups are at most a
+  head's width: qwix groups a kernel's last input axis), and whether the untied output layer
+  is quantized too."""
   weights: str
-  group_size: int = 128
+  group_size: int = 0
   head_dim: int = 0
   output_layer: bool = False
 
@@ -51,8 +53,14 @@ def spec(config, head_dim: int) -> QuantizationSpec | None:
     weights = lora["base_dtype"]
   if weights == "none":
     return None
-  return QuantizationSpec(weights, int(quantization.get("group_size", 128)), head_dim,
-                          bool(quantization.get("embeddings", False)))
+  return QuantizationSpec(weights, group_size(weights, quantization.get("group_size", 0)),
+                          head_dim, bool(quantization.get("embeddings", False)))
+
+
+def group_size(weights: str, configured: int) -> int:
+  """config.quantization.group_size as it applies to `weights`: 0 means one scale per output
+  channel for int8 and groups of 128 for int4."""
+  return int(configured) or (DEFAULT_INT4_GROUP if weights == "int4" else 0)
 
 
 def is_quantized_dtype(dtype_name: str) -> bool:
@@ -66,12 +74,14 @@ def rules(s: QuantizationSpec) -> list:
   qtype = _QTYPES[s.weights]
   float_paths = _ALWAYS_FLOAT + (() if s.output_layer else (rf"(.*/)?{_OUTPUT_LAYER}",))
   found = [qwix.QuantizationRule(module_path=path) for path in float_paths]
-  if s.weights == "int4":
+  if s.group_size:
+    # The attention output's kernel [heads, head_dim, emb] contracts two axes; qwix would
+    # group only the last and share each scale across the heads: one group per head instead.
     head_group = min(s.group_size, s.head_dim) if s.head_dim else s.group_size
     found.append(qwix.QuantizationRule(module_path=r"(.*/)?out", weight_qtype=qtype,
-                                       tile_size=head_group))
+                                       tile_size={0: 1, 1: head_group}))
   found.append(qwix.QuantizationRule(module_path=".*", weight_qtype=qtype,
-                                     tile_size=s.group_size if s.weights == "int4" else None))
+                                     tile_size=s.group_size or None))
   return found
 
 
@@ -89,8 +99,14 @@ def quantize_params(params: Any, abstract_quantized: Any) -> Any:
   quantized model's parameters from jax.eval_shape, boxed or not). Each kernel is quantized
   on its own, so a float copy of the whole model is never made."""
   import qwix  # pylint: disable=import-outside-toplevel
-  as_arrays = jax.tree.map(jnp.asarray, params)
-  return qwix.quantize_params(as_arrays, abstract_quantized)
+  from flax import traverse_util  # pylint: disable=import-outside-toplevel
+  flat = traverse_util.flatten_dict(params)
+  # Kernels read quantized already (a GGUF file's) stay as they are.
+  done = {path: leaf for path, leaf in flat.items() if is_quantized(leaf)}
+  floats = traverse_util.unflatten_dict({path: jnp.asarray(leaf) for path, leaf in flat.items()
+                                         if path not in done})
+  quantized_floats = traverse_util.flatten_dict(qwix.quantize_params(floats, abstract_quantized))
+  return traverse_util.unflatten_dict({**quantized_floats, **done})
 
 
 def dequantized(params: Any) -> Any:

@@ -1,6 +1,6 @@
 """Hugging Face checkpoint folders (or hub names) in: config, weights, special ids.
 
-`open_checkpoint(name_or_path)` resolves a folder (downloading a hub name with
+`open_checkpoint(name_or_path)` resolves a folder (or a GGUF file: gguf_file.py) (downloading a hub name with
 `huggingface_hub` when online), reads config.json and generation_config.json and translates
 them; `read_params(checkpoint)` reads model.safetensors (one file or an indexed set of
 shards) in the safetensors format into numpy, a few tensors at a time, and returns this project's
@@ -25,6 +25,7 @@ import numpy as np
 from transformer_jax import checkpoints
 from transformer_jax.pretrained.architecture import ARCHITECTURES, MODEL_TYPES
 from transformer_jax.pretrained import files
+from transformer_jax.pretrained import gguf_file
 from transformer_jax.pretrained import mapping
 from transformer_jax.pretrained import vocab as vocab_lib
 
@@ -50,6 +51,7 @@ class Checkpoint:
   vocab: vocab_lib.VocabMap
   # The weights' tensor names; None where only the config is known (a workdir's copy).
   tensor_names: frozenset[str] | None = None
+  gguf: str | None = None  # a GGUF file's path (gguf_file.py): the folder holds its metadata
 
   @property
   def model_type(self) -> str:
@@ -94,7 +96,8 @@ def resolve(name_or_path: str) -> str:
                           "cp -r).")
   if os.path.exists(name_or_path):
     raise PretrainedError(f"{name_or_path} is a file; pass the checkpoint's folder (with "
-                          "config.json and model.safetensors) or a hub name.")
+                          "config.json and model.safetensors), a GGUF file (.gguf) or a hub "
+                          "name.")
   if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
     raise PretrainedError(f"No checkpoint folder {name_or_path}; check the path.")
   try:
@@ -142,6 +145,14 @@ def _check_weights(folder: str) -> None:
 @functools.lru_cache(maxsize=4)  # one resolve (a hub look-up) and read per run and checkpoint
 def open_checkpoint(name_or_path: str) -> Checkpoint:
   """Resolves and checks a checkpoint and translates its config; reads no weights."""
+  gguf_path = gguf_file.find(name_or_path)
+  if gguf_path:
+    source, folder = gguf_file.open_folder(gguf_path)
+    hf_config = source.config
+    return dataclasses.replace(
+        describe(folder, hf_config, _read_json(folder, "generation_config.json"),
+                 tied=hf_config["tie_word_embeddings"], tensor_names=frozenset(source.names)),
+        gguf=gguf_path)
   folder = resolve(name_or_path)
   if not os.path.isfile(os.path.join(folder, "config.json")):
     raise PretrainedError(f"{folder} has no config.json; pass a Hugging Face model folder.")
@@ -280,6 +291,11 @@ class _Tensors:
     return self._info(name).read()
 
 
+def _tensors(checkpoint: Checkpoint):
+  """The checkpoint's tensors by Hugging Face name: its safetensors files, or its GGUF file."""
+  return gguf_file.opened(checkpoint.gguf) if checkpoint.gguf else _Tensors(checkpoint.folder)
+
+
 def _is_tied(tensors: _Tensors, module: ModuleType) -> bool:
   """Whether the output layer is the token embedding: no output tensor of its own, or one
   equal to the embedding (what transformers ties on load)."""
@@ -293,7 +309,7 @@ def held_dtype(checkpoint: Checkpoint, compute_dtype) -> np.dtype:
   """The dtype to hold a served checkpoint's weights in: its own 16-bit dtype where the model
   computes in that dtype (every kernel is cast to it at use anyway, and a 16-bit file's values
   are exact in either, so the outputs are the same with half the memory), else float32."""
-  stored = _Tensors(checkpoint.folder).float_dtype
+  stored = _tensors(checkpoint).float_dtype
   if stored.itemsize == 2 and stored == np.dtype(compute_dtype):
     return stored
   return np.dtype(np.float32)
@@ -308,14 +324,17 @@ def read_params(checkpoint: Checkpoint, expected=None, *, reset_head: bool = Fal
   The tree may lack parameters the checkpoint does not hold (a bare encoder's classification
   head, or with `reset_head` a head that is to be trained anew): `missing_params` lists them.
   """
-  tensors = _Tensors(checkpoint.folder)
+  tensors = _tensors(checkpoint)
   table = checkpoint.architecture.weight_table(checkpoint.hf_config, checkpoint.fields,
                                                frozenset(tensors.names))
   if reset_head:
     table = [entry for entry in table if entry.path[0] != "head"]
   _check_table(table, tensors, expected, checkpoint)
   try:
-    params = mapping.build_params(table, tensors.__getitem__, checkpoint.shapes(), dtype)
+    if checkpoint.gguf and gguf_file.holds_quantized(expected):
+      params = gguf_file.read_params(tensors, table, checkpoint.shapes(), expected)
+    else:
+      params = mapping.build_params(table, tensors.__getitem__, checkpoint.shapes(), dtype)
   except ValueError as e:  # a reshape of a tensor of another size
     if isinstance(e, PretrainedError):
       raise
