@@ -24,37 +24,52 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 TEXT = "A man is riding a bicycle down the street."
-# (attention and feed-forward kernels, feed-forward kernels where they differ, held as)
-FILES = {"f32": ("F32", None, "none"), "f16": ("F16", None, "none"),
-         "q8_0": ("Q8_0", None, "int8"), "q4_0": ("Q4_0", None, "int4"),
-         "q4_1": ("Q4_1", None, "none"), "q4_k": ("F32", "Q4_K", "none")}
+# (architecture, attention and feed-forward kernels, feed-forward kernels where they differ,
+# held as)
+FILES = {"f32": ("llama", "F32", None, "none"), "f16": ("llama", "F16", None, "none"),
+         "q8_0": ("llama", "Q8_0", None, "int8"), "q4_0": ("llama", "Q4_0", None, "int4"),
+         "q4_1": ("llama", "Q4_1", None, "none"), "q4_k": ("llama", "F32", "Q4_K", "none"),
+         # Qwen2: biases on q / k / v, its output tied to the embedding, no row permutation.
+         "qwen2_q8_0": ("qwen2", "Q8_0", None, "int8")}
 
 
 @pytest.fixture(scope="module")
-def llama_folder(tmp_path_factory):
-  """A tiny Llama whose widths are multiples of 256 (Q4_K's block): 4 heads of 64, 2 key/value
-  heads, its own lm_head."""
-  folder = str(tmp_path_factory.mktemp("llama"))
-  files = hf_fixtures.llama_tokenizer_files(folder, hf_fixtures.model_sentences("en"))
-  config = transformers.LlamaConfig(
-      vocab_size=files.vocab_size, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-      bos_token_id=files.tokenizer.bos_token_id, eos_token_id=files.tokenizer.eos_token_id,
-      rms_norm_eps=1e-5, tie_word_embeddings=False)
-  torch.manual_seed(0)
-  transformers.LlamaForCausalLM(config).save_pretrained(folder)
-  return folder
+def hf_folders(tmp_path_factory):
+  """Tiny Llama and Qwen2 folders whose widths are multiples of 256 (Q4_K's block): 4 heads of
+  64, 2 key/value heads; the Llama with its own lm_head."""
+  folders = {}
+  for architecture in ("llama", "qwen2"):
+    folder = str(tmp_path_factory.mktemp(architecture))
+    files = hf_fixtures.llama_tokenizer_files(folder, hf_fixtures.model_sentences("en"))
+    sizes = dict(vocab_size=files.vocab_size, hidden_size=256, intermediate_size=256,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=128, bos_token_id=files.tokenizer.bos_token_id,
+                 eos_token_id=files.tokenizer.eos_token_id, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    if architecture == "llama":
+      model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+          **sizes, tie_word_embeddings=False))
+    else:
+      model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+          **sizes, tie_word_embeddings=True))
+      with torch.no_grad():  # biases that are not zero, so that their reading is tested
+        for name, param in model.named_parameters():
+          if name.endswith("bias"):
+            param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(folder)
+    folders[architecture] = folder
+  return folders
 
 
 @pytest.fixture(scope="module")
-def gguf_path(llama_folder, tmp_path_factory):
+def gguf_path(hf_folders, tmp_path_factory):
   made = {}
 
   def get(name: str) -> str:
     if name not in made:
-      kernels, ffn, _ = FILES[name]
-      made[name] = gguf_files.write(llama_folder, str(tmp_path_factory.mktemp(name) /
-                                                      f"tiny-{name}.gguf"), kernels, ffn)
+      architecture, kernels, ffn, _ = FILES[name]
+      made[name] = gguf_files.write(hf_folders[architecture], str(
+          tmp_path_factory.mktemp(name) / f"tiny-{name}.gguf"), kernels, ffn, architecture)
     return made[name]
 
   return get
@@ -87,11 +102,11 @@ def test_a_gguf_file_gives_the_logits_and_tokens_transformers_gives(gguf_path, n
   assert encoded in (ids, ids[1:])  # with or without the BOS the tokenizer adds
   held = [x for x in jax.tree.leaves(ours.device_params, is_leaf=quantization.is_quantized)
           if quantization.is_quantized(x)]
-  assert ours.config.quantization.weights == FILES[name][2]
-  if FILES[name][2] == "none":
+  assert ours.config.quantization.weights == FILES[name][3]
+  if FILES[name][3] == "none":
     assert not held
   else:  # every kernel read as the file holds it: 7 per layer
-    assert len(held) == 2 * 6 and {x.array.qvalue.dtype.name for x in held} == {FILES[name][2]}
+    assert len(held) == 2 * 6 and {x.array.qvalue.dtype.name for x in held} == {FILES[name][3]}
 
 
 def test_a_folder_with_one_gguf_file_serves_from_the_command_line(gguf_path, monkeypatch):

@@ -367,11 +367,8 @@ def _quantization_problems(config: ml_collections.ConfigDict) -> list[str]:
     found.append(f"{asked}={held.weights!r} needs {quantization.LIBRARY}: "
                  "pip install -r requirements.txt (or pip install '.[quantization]')")
   if q.embeddings and not families.generates_text(config):
-    found.append("config.quantization.embeddings quantizes the output layer, but a "
-                 "classifier's output is its class head, which stays float: leave it False")
-  elif q.embeddings and config.model.get("tie_output", True):
-    found.append("config.quantization.embeddings quantizes an untied output layer, but this "
-                 "model's is the token embedding (model.tie_output), which stays float: "
+    found.append("config.quantization.embeddings quantizes a text model's embedding and output "
+                 "layer, but a classifier's output is its class head, which stays float: "
                  "leave it False")
   if q.group_size < 0:
     found.append(f"config.quantization.group_size={q.group_size} must be 0 (the default) or "

@@ -173,7 +173,8 @@ def get_config() -> ml_collections.ConfigDict:
       weights="none",
       # Inputs per scale; 0 = one scale per output channel for int8, groups of 128 for int4.
       group_size=0,
-      # Also quantize an untied output layer (the token embedding itself stays float).
+      # Also the token embedding (int8, a scale per row; the tied output layer reads it) and
+      # an untied output layer (as `weights`).
       embeddings=False,
   ))
   # A multilingual checkpoint's languages, in its own codes: NLLB-200 'vie_Latn', M2M100 'vi',

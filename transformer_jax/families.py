@@ -110,8 +110,8 @@ class EncoderDecoder(family_base.SequenceFamily):
     self.code_after_eos = bool(config.get("code_after_eos", False))
     self.runner = runners.EncoderDecoderRunner(self.decoding_model(), self.model_config)
 
-  def _make_model(self):
-    return models.EncoderDecoder(self.model_config)
+  def _make_model(self, model_config=None):
+    return models.EncoderDecoder(model_config or self.model_config)
 
   def max_prompt_length(self) -> int:
     return self.config.max_source_length + self.code_after_prompt
@@ -215,8 +215,8 @@ class DecoderOnly(family_base.SequenceFamily):
   def longest_sequence(config):
     return config.max_source_length + config.max_target_length  # one sequence
 
-  def _make_model(self):
-    return models.DecoderOnly(self.model_config)
+  def _make_model(self, model_config=None):
+    return models.DecoderOnly(model_config or self.model_config)
 
   def train_step_flops(self, batch_size: int) -> float:
     # The output layer runs at the target part's positions only (see score_outputs).
@@ -334,8 +334,8 @@ class EncoderClassifier(family_base.Family):
   def longest_sequence(config):
     return config.max_source_length
 
-  def _make_model(self):
-    return models.EncoderClassifier(self.model_config)
+  def _make_model(self, model_config=None):
+    return models.EncoderClassifier(model_config or self.model_config)
 
   def trained_in_full(self) -> tuple[str, ...]:
     # RoBERTa's head (pooling 'cls_head') is its dense + tanh layer and the output layer.

@@ -39,11 +39,13 @@ class Family(abc.ABC):
   def __init__(self, config: ml_collections.ConfigDict):
     self.config = config
     self.model_config = model_schema.model_config(config.model, lora=lora_lib.spec(config))
-    # config.quantization: what self.model reads its projections' kernels as (None: float).
+    # config.quantization: what self.model reads its projections' kernels (and with
+    # `embeddings` its token embedding) as; None: float.
     self.quantization = quantization.spec(
         config, self.model_config.qkv_dim // self.model_config.num_heads)
     self.float_model = self._make_model()
-    self.model = quantization.quantized(self.float_model, self.quantization)
+    self.model = quantization.quantized(self._make_model(self._held_config()),
+                                        self.quantization)
 
   def trained_in_full(self) -> tuple[str, ...]:
     """Top-level parameters that train in full beside LoRA adapters (PEFT's
@@ -51,8 +53,14 @@ class Family(abc.ABC):
     return ()
 
   @abc.abstractmethod
-  def _make_model(self):
-    """The family's Flax model for self.model_config."""
+  def _make_model(self, model_config=None):
+    """The family's Flax model for `model_config` (default: self.model_config)."""
+
+  def _held_config(self, **changes):
+    """self.model_config as the served model holds it: the token embedding in int8 where
+    config.quantization.embeddings says so, with `changes`."""
+    int8_embeddings = bool(self.quantization and self.quantization.output_layer)
+    return self.model_config.replace(int8_embeddings=int8_embeddings, **changes)
 
   @staticmethod
   def longest_sequence(config: ml_collections.ConfigDict) -> int:
@@ -190,8 +198,8 @@ class SequenceFamily(Family):
     cache_dtype = self.config.get("decoding", {}).get("kv_cache_dtype", "")
     if not cache_dtype:
       return self.model
-    model = self._make_model().clone(config=self.model_config.replace(kv_cache_dtype=cache_dtype))
-    return quantization.quantized(model, self.quantization)
+    return quantization.quantized(
+        self._make_model(self._held_config(kv_cache_dtype=cache_dtype)), self.quantization)
 
   @property
   def logits_chunk_length(self) -> int:

@@ -298,7 +298,7 @@ class MultiHeadAttention(nn.Module):
     if self.score == "multiplicative":
       w = self.param("score_kernel", init, (self.num_heads, head_dim, head_dim))
       keys = jnp.einsum("bkhe,hde->bkhd", key, w.astype(self.dtype))  # W h: [b, k, h, d]
-      return jnp.einsum("bqhd,bkhd->bhqk", query, keys, preferred_element_type=jnp.float32)
+      return layers.float32_sum_einsum("bqhd,bkhd->bhqk", query, keys)
     if self.score == "additive":
       w_key = self.param("score_key_kernel", init, (self.num_heads, head_dim, head_dim))
       w_query = self.param("score_query_kernel", init, (self.num_heads, head_dim, head_dim))
@@ -307,8 +307,7 @@ class MultiHeadAttention(nn.Module):
       keys = jnp.einsum("bkhd,hde->bkhe", key, w_key.astype(self.dtype))  # W1 h
       queries = jnp.einsum("bqhd,hde->bqhe", query, w_query.astype(self.dtype))  # W2 s
       hidden = jnp.tanh(queries[:, :, None] + keys[:, None, :])  # [b, q, k, h, e]
-      return jnp.einsum("bqkhe,he->bhqk", hidden, v.astype(self.dtype),
-                        preferred_element_type=jnp.float32)
+      return layers.float32_sum_einsum("bqkhe,he->bhqk", hidden, v.astype(self.dtype))
     raise ValueError(f"Unknown attention score {self.score!r}: use 'dot_product', "
                      "'multiplicative' or 'additive'.")
 

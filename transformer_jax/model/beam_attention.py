@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax.model.dot_product import check_groups, masked_scores, softmax_weights
+from transformer_jax.model.layers import float32_sum_einsum
 from transformer_jax.model.kv_cache import keys_last
 
 Array = jax.Array
@@ -63,8 +64,7 @@ def beam_attention(query: Array, key: Array, value: Array, mask: Array | None,
   queries = jnp.transpose(query.reshape(sources, beams, num_queries, kv_heads, group, head_dim),
                           (0, 3, 1, 4, 2, 5))[:, None]  # [b, 1, n, j, g, q, d]
   queries = jnp.broadcast_to(queries, (sources, beams) + queries.shape[2:])
-  scores = jnp.einsum("binjgqd,bindl->binjgql", queries, keys,
-                      preferred_element_type=jnp.float32) * scale
+  scores = float32_sum_einsum("binjgqd,bindl->binjgql", queries, keys) * scale
   holder = jnp.arange(beams)[None, :, None] + slot_rows.reshape(sources, beams, length)
   held = holder[:, None] == jnp.arange(beams)[None, :, None, None]  # [b, i, j, L]
   visible = held[:, :, None, :, None, None, :]
@@ -84,11 +84,10 @@ def beam_attention(query: Array, key: Array, value: Array, mask: Array | None,
     weights = (scores / total[:, None, ..., None]).astype(value.dtype)
     own = (own / total[..., None]).astype(value.dtype)
   # Each holder's part in float32, so that 16-bit values round once, after the sum.
-  out = jnp.einsum("binjgql,bindl->binjgqd", weights, values, preferred_element_type=jnp.float32
-                   ).sum(axis=1)  # [b, n, j, g, q, d]
+  out = float32_sum_einsum("binjgql,bindl->binjgqd", weights, values
+                           ).sum(axis=1)  # [b, n, j, g, q, d]
   if own is not None:  # the prompt's part, from each row's own slots
-    out = out + jnp.einsum("bnjgql,bjndl->bnjgqd", own, prompt_values,
-                           preferred_element_type=jnp.float32)
+    out = out + float32_sum_einsum("bnjgql,bjndl->bnjgqd", own, prompt_values)
   return jnp.transpose(out.astype(value.dtype), (0, 2, 4, 1, 3, 5)).reshape(
       rows, num_queries, heads, head_dim)
 
@@ -102,7 +101,7 @@ def _prompt_part(query: Array, key: Array, value: Array, mask: Array, bias: Arra
   length, kv_heads = key.shape[1], key.shape[2]
   sources, group = rows // beams, heads // kv_heads
   grouped = query.reshape(rows, num_queries, kv_heads, group, head_dim)
-  own = jnp.einsum("rqngd,rknd->rngqk", grouped, key, preferred_element_type=jnp.float32)
+  own = float32_sum_einsum("rqngd,rknd->rngqk", grouped, key)
   own = jnp.swapaxes(own.reshape(sources, beams, *own.shape[1:]), 1, 2)
   by_source = lambda x: _by_source(x, sources, beams, kv_heads, num_queries, length)[:, 0]
   own = masked_scores(own * scale, by_source(mask),

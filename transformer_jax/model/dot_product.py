@@ -123,11 +123,10 @@ def dot_product_attention(query: Array, key: Array, value: Array, mask: Array | 
   kv_heads = key.shape[2]
   group = check_groups(heads, kv_heads)
   if group == 1:
-    scores = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
+    scores = layers.float32_sum_einsum("bqhd,bkhd->bhqk", query, key)
   else:
     grouped = query.reshape(batch, num_queries, kv_heads, group, head_dim)  # [b, q, n, g, d]
-    scores = jnp.einsum("bqngd,bknd->bngqk", grouped, key,
-                        preferred_element_type=jnp.float32)  # [b, n, g, q, k]
+    scores = layers.float32_sum_einsum("bqngd,bknd->bngqk", grouped, key)  # [b, n, g, q, k]
     scores = scores.reshape(batch, heads, num_queries, key.shape[1])  # [b, h, q, k]
   scale = query.shape[-1] ** -0.5 if scale is None else scale
   scores = scores * jnp.float32(scale)  # [b, h, q, k]

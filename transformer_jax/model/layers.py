@@ -235,6 +235,16 @@ def float32_sum_dot(lhs: Array, rhs: Array, dimension_numbers, precision=None,
                              preferred_element_type=jnp.float32)
 
 
+def float32_sum_einsum(spec: str, a: Array, b: Array) -> Array:
+  """`jnp.einsum` of two operands in their own dtype, products summed in float32 (attention's
+  scores and weighted values in a bfloat16 model). As in `float32_sum_dot`, XLA:CPU multiplies
+  16-bit operands in float32 (the same sums): its runtime has no bfloat16 x bfloat16 = float32
+  product for the shapes it hands to its library (a 135M model's attention failed there)."""
+  if jax.default_backend() == "cpu":
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
 def _contract_last(a: Array, b: Array, b_axis: int) -> Array:
   """a [..., k] against b's axis `b_axis` (of 2) -> [..., b's other axis], float32 sums."""
   return float32_sum_dot(a, b, (((a.ndim - 1,), (b_axis,)), ((), ())))

@@ -20,6 +20,7 @@ from transformer_jax.model import attention
 from transformer_jax.model import blocks
 from transformer_jax.model import kernels
 from transformer_jax.model import layers
+from transformer_jax.model import quantization
 # The schema lives in schema.py and the layers in blocks.py; these names stay
 # importable from here, as the public interface has them.
 from transformer_jax.model.schema import (  # noqa: F401 pylint: disable=unused-import
@@ -98,15 +99,20 @@ class TokenEmbedding(nn.Module):
   def setup(self):
     c = self.config
     # Scaled by sqrt(emb_dim) on lookup, so initialised with stddev 1/sqrt(emb_dim).
-    self.embedding = nn.Embed(c.vocab_size, c.emb_dim, embedding_init=nn.with_logical_partitioning(
-        nn.initializers.normal(stddev=c.emb_dim ** -0.5), ("vocab", "embed")))
+    init, names = nn.initializers.normal(stddev=c.emb_dim ** -0.5), ("vocab", "embed")
+    init = (quantization.int8_table_init(init, names) if c.int8_embeddings
+            else nn.with_logical_partitioning(init, names))
+    self.embedding = nn.Embed(c.vocab_size, c.emb_dim, embedding_init=init)
 
   def __call__(self, tokens: Array) -> Array:
     c = self.config
     # Under the jit layout the table is gathered whole before the lookup (as FSDP gathers every
     # weight before use): a lookup into a vocab x embed-sharded table has no efficient sharding.
-    table = nn.with_logical_constraint(self.embedding.embedding, (None, None))
-    embedded = blocks.residual_stream(jnp.take(table, tokens, axis=0))  # [b, len, emb]
+    table = jax.tree.map(lambda x: nn.with_logical_constraint(x, (None, None)),
+                         self.embedding.embedding)
+    rows = (table.lookup(tokens) if isinstance(table, quantization.Int8Table)
+            else jnp.take(table, tokens, axis=0))
+    embedded = blocks.residual_stream(rows)  # [b, len, emb]
     if c.scale_embeddings:
       scale = jnp.sqrt(jnp.float32(c.emb_dim))
       if c.embedding_scale_in_dtype:
@@ -115,8 +121,14 @@ class TokenEmbedding(nn.Module):
     return embedded.astype(c.dtype)
 
   def attend(self, y: Array) -> Array:
-    """Float32 logits of `y`, multiplied in y's dtype (see `layers.tied_logits`)."""
-    return layers.tied_logits(y, self.embedding.embedding)
+    """Float32 logits of `y`, multiplied in y's dtype (see `layers.tied_logits`); an int8
+    table's rows (inference only) multiplied as int8 values, each logit then scaled."""
+    table = self.embedding.embedding
+    if isinstance(table, quantization.Int8Table):
+      logits = layers.float32_sum_dot(y, table.values.astype(y.dtype),
+                                      (((y.ndim - 1,), (1,)), ((), ())))
+      return logits * table.scales[:, 0]
+    return layers.tied_logits(y, table)
 
 
 def _output_dtype(c: TransformerConfig):

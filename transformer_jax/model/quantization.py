@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -97,30 +98,83 @@ def quantized(model: nn.Module, s: QuantizationSpec | None) -> nn.Module:
 def quantize_params(params: Any, abstract_quantized: Any) -> Any:
   """Float `params` (host or device arrays) in the layout of `abstract_quantized` (the
   quantized model's parameters from jax.eval_shape, boxed or not). Each kernel is quantized
-  on its own, so a float copy of the whole model is never made."""
+  on its own, so no second float copy of the model is made; kernels quantized already (a GGUF
+  file's) and the leaves that stay float are kept as they are."""
   import qwix  # pylint: disable=import-outside-toplevel
   from flax import traverse_util  # pylint: disable=import-outside-toplevel
   flat = traverse_util.flatten_dict(params)
-  # Kernels read quantized already (a GGUF file's) stay as they are.
-  done = {path: leaf for path, leaf in flat.items() if is_quantized(leaf)}
-  floats = traverse_util.unflatten_dict({path: jnp.asarray(leaf) for path, leaf in flat.items()
-                                         if path not in done})
-  quantized_floats = traverse_util.flatten_dict(qwix.quantize_params(floats, abstract_quantized))
-  return traverse_util.unflatten_dict({**quantized_floats, **done})
+  wanted = traverse_util.flatten_dict(abstract_quantized)
+  for path, leaf in flat.items():
+    target = _unboxed(wanted.get(path))
+    if is_quantized(leaf) or not is_quantized(target):
+      continue
+    if isinstance(target, Int8Table):
+      flat[path] = int8_table(leaf)
+      continue
+    one = traverse_util.unflatten_dict({path: jnp.asarray(leaf)})
+    flat[path] = traverse_util.flatten_dict(qwix.quantize_params(one, abstract_quantized))[path]
+  return traverse_util.unflatten_dict(flat)
+
+
+def _unboxed(leaf: Any) -> Any:
+  return leaf.unbox() if isinstance(leaf, nn.meta.AxisMetadata) else leaf
 
 
 def dequantized(params: Any) -> Any:
   """`params` with every quantized kernel back in float32 (its values as the model reads
   them): a QLoRA base merged with its adapters, or exported."""
   import qwix  # pylint: disable=import-outside-toplevel
-  return jax.tree.map(
-      lambda x: qwix.dequantize(x.array).astype(jnp.float32) if is_quantized(x) else x,
-      params, is_leaf=is_quantized)
+  def back(x):
+    if isinstance(x, Int8Table):
+      return x.dequantized()
+    return qwix.dequantize(x.array).astype(jnp.float32) if is_quantized(x) else x
+  return jax.tree.map(back, params, is_leaf=is_quantized)
 
 
 def is_quantized(leaf: Any) -> bool:
-  """Whether a parameter leaf (not descended into) is a quantized kernel."""
-  return hasattr(leaf, "array") and hasattr(leaf, "how")
+  """Whether a parameter leaf (not descended into) is a quantized kernel or table."""
+  return (hasattr(leaf, "array") and hasattr(leaf, "how")) or isinstance(leaf, Int8Table)
+
+
+# ---- The token embedding in int8 (qwix quantizes matmuls, not lookups) ------------------------
+
+@flax.struct.dataclass
+class Int8Table:
+  """An embedding table [rows, width] as int8 `values` and one float32 scale per row
+  [rows, 1] (symmetric absmax): a lookup gathers both, the tied output layer multiplies by the
+  int8 values and scales each row's logit."""
+  values: jax.Array
+  scales: jax.Array
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.values.shape
+
+  def lookup(self, ids: jax.Array) -> jax.Array:
+    """Rows `ids` in float32: [..., width]."""
+    return (jnp.take(self.values, ids, axis=0).astype(jnp.float32)
+            * jnp.take(self.scales, ids, axis=0))
+
+  def dequantized(self) -> jax.Array:
+    return self.values.astype(jnp.float32) * self.scales
+
+
+def int8_table(table: jax.Array) -> Int8Table:
+  """`table` [rows, width] in int8, each row scaled by its largest magnitude over 127."""
+  table = jnp.asarray(table, jnp.float32)
+  scales = jnp.max(jnp.abs(table), axis=1, keepdims=True) / 127.0
+  values = jnp.round(table / jnp.where(scales == 0, 1.0, scales))
+  return Int8Table(values.astype(jnp.int8), scales)
+
+
+def int8_table_init(init, names: tuple[str, str]):
+  """A parameter initializer: `init`'s table in int8, values and scales with the logical axis
+  `names` (the scales' second axis unsharded)."""
+  def make(key, shape, dtype=jnp.float32):
+    table = int8_table(init(key, shape, dtype))
+    return Int8Table(nn.LogicallyPartitioned(table.values, names),
+                     nn.LogicallyPartitioned(table.scales, (names[0], None)))
+  return make
 
 
 def parameter_bytes(params: Any) -> int:

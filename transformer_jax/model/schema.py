@@ -132,6 +132,9 @@ class TransformerConfig:
   # 'bfloat16', or 'int8' (per token and head, scaled by its largest magnitude: kv_cache.py);
   # the decoding config's kv_cache_dtype sets it for decoding.
   kv_cache_dtype: str = ""
+  # The token embedding held in int8, one float32 scale per row (model/quantization.py); set
+  # for inference by config.quantization.embeddings.
+  int8_embeddings: bool = False
   remat: bool = False  # recompute each layer's activations in the backward pass
   remat_policy: str = "full"  # with remat: what is kept (see models.REMAT_POLICIES)
 
