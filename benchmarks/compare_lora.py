@@ -11,7 +11,11 @@ tied), built as `config.pretrained` would build them (pretrained/t5.py, pretrain
 Variants, each in a process of its own, taking turns (--rounds of --steps steps each):
   full         every weight trained (Adam moments for all of them);
   lora         rank --rank adapters on --targets (config.lora), the base frozen in float32;
-  lora_bf16    the same with the frozen base held in bfloat16 (config.lora.base_dtype).
+  lora_bf16    the same with the frozen base held in bfloat16 (config.lora.base_dtype);
+  lora_int8, lora_int4  the same over a base whose kernels are int8 / int4 (QLoRA; int4 in
+               groups of 128); lora_int8e, lora_int4e: its token embedding int8 too
+               (config.quantization.embeddings).
+--variants picks them (default full,lora,lora_bf16); ratios are against the first.
 Per variant: the median seconds per step over the rounds after two warm-up steps, the
 process's peak resident memory (ru_maxrss), the optimizer state's bytes, and the bytes of the
 arrays a step's checkpoint writes (the trained parameters and their optimizer state; a LoRA
@@ -40,7 +44,9 @@ QWEN25_05B = dict(model_type="qwen2", vocab_size=151936, hidden_size=896,
                   eos_token_id=151643)
 MODELS = {"t5-base": dict(T5_SMALL, d_model=768, d_ff=3072, num_layers=12, num_heads=12),
           "qwen2.5-0.5b": QWEN25_05B}
-VARIANTS = ("full", "lora", "lora_bf16")
+# The frozen base's config.lora.base_dtype per LoRA variant.
+BASE_DTYPES = {"lora": "float32", "lora_bf16": "bfloat16", "lora_int8": "int8",
+               "lora_int4": "int4", "lora_int8e": "int8", "lora_int4e": "int4"}
 
 
 def serve(args) -> None:
@@ -49,6 +55,7 @@ def serve(args) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from transformer_jax import benchmark, default_config, families  # pylint: disable=g-import-not-at-top
+  from transformer_jax.model import quantization  # pylint: disable=g-import-not-at-top
   from transformer_jax.pretrained import llama, t5  # pylint: disable=g-import-not-at-top
   hf, seq_len = MODELS[args.model], args.seq_len
   config = default_config.get_config()
@@ -66,8 +73,8 @@ def serve(args) -> None:
     batch = {"targets": rng.integers(3, hf["vocab_size"], shape, dtype=np.int32),
              "weights": np.ones(shape, np.float32)}
   if args.side != "full":
-    config.lora.update(rank=args.rank, targets=args.targets,
-                       base_dtype="bfloat16" if args.side == "lora_bf16" else "float32")
+    config.lora.update(rank=args.rank, targets=args.targets, base_dtype=BASE_DTYPES[args.side])
+    config.quantization.embeddings = args.side.endswith("e")
   run, state = benchmark.train_step_runner(config, families.get(config), args.batch_size,
                                            seq_len, batch=batch, with_state=True)
   for _ in range(2):
@@ -84,6 +91,7 @@ def serve(args) -> None:
       peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
       trained_params=sum(x.size for x in jax.tree.leaves(current.params)),
       frozen_params=sum(x.size for x in jax.tree.leaves(current.frozen)),
+      frozen_mb=quantization.parameter_bytes(current.frozen) / 2**20,
       optimizer_state_mb=nbytes(current.opt_state) / 2**20,
       checkpoint_per_step_mb=(nbytes(current.params) + nbytes(current.opt_state)) / 2**20)),
         flush=True)
@@ -98,20 +106,22 @@ def main():
   parser.add_argument("--seq_len", type=int, default=64)
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--steps", type=int, default=2)
+  parser.add_argument("--variants", default="full,lora,lora_bf16")
   parser.add_argument("--side", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.side:
     serve(args)
     return
+  variants = args.variants.split(",")
   children = {}
-  for side in VARIANTS:
+  for side in variants:
     children[side] = subprocess.Popen(
         [sys.executable, __file__, "--side", side, "--model", args.model, "--rank",
          str(args.rank), "--targets", args.targets, "--batch_size", str(args.batch_size),
          "--seq_len", str(args.seq_len)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         text=True, cwd=ROOT)
     assert children[side].stdout.readline().strip() == "ready", side
-  times = {side: [] for side in VARIANTS}
+  times = {side: [] for side in variants}
   for _ in range(args.rounds):  # turns, so that every variant sees the same machine
     for side, child in children.items():
       child.stdin.write(f"{args.steps}\n")
@@ -124,10 +134,12 @@ def main():
     result[side] = dict(step_s=statistics.median(times[side]),
                         **json.loads(child.stdout.readline()))
     child.wait()
-  for side in VARIANTS[1:]:
-    result[f"{side}_vs_full"] = {
-        key: round(result[side][key] / result["full"][key], 3)
-        for key in ("step_s", "peak_rss_gb", "optimizer_state_mb", "checkpoint_per_step_mb")}
+  for side in variants[1:]:
+    result[f"{side}_vs_{variants[0]}"] = {
+        key: (round(result[side][key] / result[variants[0]][key], 3)
+              if result[variants[0]][key] else None)  # full fine-tuning freezes nothing
+        for key in ("step_s", "peak_rss_gb", "frozen_mb", "optimizer_state_mb",
+                    "checkpoint_per_step_mb")}
   print(json.dumps(result))
 
 

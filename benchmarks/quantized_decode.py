@@ -1,7 +1,8 @@
 """Weights in float32, bfloat16, int8 and int4: the memory they take and greedy decode speed.
 
   python benchmarks/quantized_decode.py --pretrained /tmp/smollm2_135m [--make smollm2-135m] \
-      [--weights float32,bfloat16,int8,int4] [--group_size 64] [--batch_sizes 1,32] \
+      [--weights float32,bfloat16,int8,int8+embeddings,int4,int4+embeddings] \
+      [--group_size 64] [--batch_sizes 1,32] \
       [--new_tokens 32] [--rounds 3]
 
 Each weight format runs in a process of its own (`Predictor.from_pretrained`; bfloat16: a
@@ -40,8 +41,9 @@ def measure(folder: str, weights: str, group_size: int, batch_sizes: list[int],
   if weights == "bfloat16":
     config.model.dtype = "bfloat16"
     folder = bfloat16_copy(folder)
-  elif weights in ("int8", "int4"):
-    config.quantization.update(weights=weights, group_size=group_size)
+  elif weights.startswith(("int8", "int4")):  # 'int8+embeddings': the token embedding too
+    config.quantization.update(weights=weights[:4], group_size=group_size,
+                               embeddings=weights.endswith("+embeddings"))
   predictor = predict.Predictor.from_pretrained(folder, config)
   result = {"weights": weights,
             "parameter_bytes": quantization.parameter_bytes(predictor.device_params)}
@@ -80,7 +82,8 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--pretrained", required=True)
   parser.add_argument("--make", choices=sorted(compare_generate.SIZES))
-  parser.add_argument("--weights", default="float32,bfloat16,int8,int4")
+  parser.add_argument("--weights",
+                      default="float32,bfloat16,int8,int8+embeddings,int4,int4+embeddings")
   parser.add_argument("--group_size", type=int, default=0)  # int4: 0 = 128
   parser.add_argument("--batch_sizes", default="1,32")
   parser.add_argument("--new_tokens", type=int, default=32)
@@ -108,10 +111,10 @@ def main():
     rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(json.dumps(rows[-1]), flush=True)
   base = rows[0]["parameter_bytes"]
-  print(f"\n{'weights':9s} {'params MB':>10s} {'x first':>8s} {'peak RSS MB':>12s} "
+  print(f"\n{'weights':16s} {'params MB':>10s} {'x first':>8s} {'peak RSS MB':>12s} "
         + " ".join(f"{'b' + str(b) + ' tok/s':>11s}" for b in batch_sizes))
   for row in rows:
-    print(f"{row['weights']:9s} {row['parameter_bytes'] / 1e6:10.1f} "
+    print(f"{row['weights']:16s} {row['parameter_bytes'] / 1e6:10.1f} "
           f"{row['parameter_bytes'] / base:7.2f}x {row['peak_rss_bytes'] / 1e6:12.0f} "
           + " ".join(f"{row[f'batch{b}_tokens_per_s']:11.1f}" for b in batch_sizes))
 

@@ -59,7 +59,7 @@ class Family(abc.ABC):
   def _held_config(self, **changes):
     """self.model_config as the served model holds it: the token embedding in int8 where
     config.quantization.embeddings says so, with `changes`."""
-    int8_embeddings = bool(self.quantization and self.quantization.output_layer)
+    int8_embeddings = bool(self.quantization and self.quantization.embeddings)
     return self.model_config.replace(int8_embeddings=int8_embeddings, **changes)
 
   @staticmethod

@@ -1,12 +1,13 @@
-"""Weight-only quantization for inference (config.quantization, docs/quantization.md), through
-qwix, Google's quantization library for Flax.
+"""Weight-only quantization (config.quantization for inference, a QLoRA base; docs/
+quantization.md), through qwix, Google's quantization library for Flax.
 
 `quantized(model, spec)` is the same Flax model with qwix intercepting its projections'
-matmuls: each reads its kernel as int8 (one float32 scale per output channel) or int4 (one
-scale per `group_size` inputs of an output channel), dequantized into the matmul, which XLA
-fuses on accelerators. `quantize_params` turns float parameters (a checkpoint's) into that
-layout. Norms, biases, position tables and the token embedding stay as they are; so do the
-output layer (unless `spec.output_layer`: an untied one) and a classifier's head and pooler.
+matmuls: each reads its kernel as int8 or int4 values with float32 scales (one per output
+channel, or per `group_size` inputs), dequantized into the matmul, which XLA fuses on
+accelerators. `quantize_params` turns float parameters (a checkpoint's) into that layout, one
+kernel at a time. Norms, biases and position tables stay float; so do a classifier's head and
+pooler, and the token embedding and an untied output layer unless `spec.embeddings` (the
+embedding then an `Int8Table`: qwix quantizes matmuls, not lookups).
 """
 
 from __future__ import annotations
@@ -35,13 +36,13 @@ _ALWAYS_FLOAT = (r"(.*/)?(head|pooler|pooling_query)", r".*_lora(/.*)?")
 @dataclasses.dataclass(frozen=True)
 class QuantizationSpec:
   """How a model's weights are held: `weights` 'int8' or 'int4', `group_size` inputs per scale
-  (0: one scale per output channel; the attention output projection's groups are at most a
-  head's width: qwix groups a kernel's last input axis), and whether the untied output layer
-  is quantized too."""
+  (0: one scale per output channel; the attention output projection is grouped per head, at
+  most `head_dim` wide), and whether the token embedding (int8) and an untied output layer
+  are quantized too."""
   weights: str
   group_size: int = 0
   head_dim: int = 0
-  output_layer: bool = False
+  embeddings: bool = False
 
 
 def spec(config, head_dim: int) -> QuantizationSpec | None:
@@ -64,16 +65,11 @@ def group_size(weights: str, configured: int) -> int:
   return int(configured) or (DEFAULT_INT4_GROUP if weights == "int4" else 0)
 
 
-def is_quantized_dtype(dtype_name: str) -> bool:
-  """Whether config.lora.base_dtype names a quantized base (QLoRA) rather than a float one."""
-  return dtype_name in _QTYPES
-
-
 def rules(s: QuantizationSpec) -> list:
   """qwix's rules, first match wins: what stays float, then every other projection."""
   import qwix  # pylint: disable=import-outside-toplevel
   qtype = _QTYPES[s.weights]
-  float_paths = _ALWAYS_FLOAT + (() if s.output_layer else (rf"(.*/)?{_OUTPUT_LAYER}",))
+  float_paths = _ALWAYS_FLOAT + (() if s.embeddings else (rf"(.*/)?{_OUTPUT_LAYER}",))
   found = [qwix.QuantizationRule(module_path=path) for path in float_paths]
   if s.group_size:
     # The attention output's kernel [heads, head_dim, emb] contracts two axes; qwix would
@@ -188,7 +184,7 @@ def parameter_bytes(params: Any) -> int:
 
 
 def group_problem(group_size: int, model_config) -> str | None:
-  """Why int4 groups of `group_size` cannot tile this model's kernels (None: they can). qwix
+  """Why groups of `group_size` inputs cannot tile this model's kernels (None: they can). qwix
   groups a kernel's last input axis: emb_dim for the attention and feed-forward inputs,
   mlp_dim for the feed-forward output, a head's width for the attention output (whose groups
   shrink to it where it is narrower)."""

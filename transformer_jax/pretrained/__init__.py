@@ -1,6 +1,8 @@
 """Hugging Face checkpoints in and out: the only package that knows Hugging Face names.
 
   checkpoint.py  folder / hub name -> config translation and parameters (safetensors)
+  gguf_file.py   a GGUF file (llama.cpp's) read as a checkpoint: metadata -> config.json and
+                 tokenizer, Q8_0 / Q4_0 kernels kept quantized, other types dequantized
   files.py       a folder's files as untrusted input: safetensors headers and shard indexes
                  checked against the files, JSON files, nothing unpickled or imported
   chat_template.py  a tokenizer's chat template, checked and rendered in jinja2's sandbox

@@ -101,7 +101,7 @@ class GGUF:
       kind = tensor.tensor_type
       if kind.name in ("F32", "F16", "BF16"):
         continue
-      if not hasattr(quants, kind.name) or kind.name in ("F64",):
+      if not hasattr(quants, kind.name):
         raise PretrainedError(f"{self.path}: tensor {tensor.name} is of GGUF type "
                               f"{kind.name}, which this reader cannot dequantize.")
 
@@ -289,9 +289,10 @@ def hold_as_file(config, path: str, adapter: str | None = None) -> bool:
     return False  # float32 kernels, which config.quantization may quantize as any others
   kind = "Q8_0" if held == "int8" else "Q4_0"
   q = config.quantization
-  if q.weights not in ("none", held) or q.group_size not in (0, BLOCK):
+  if q.weights not in ("none", held) or q.group_size not in (0, BLOCK) or q.embeddings:
     raise PretrainedError(f"{path} holds its kernels in {kind}, served as they are ({held} in "
-                          f"groups of {BLOCK}): drop --config.quantization.weights / group_size.")
+                          f"groups of {BLOCK}; its embedding and output layer as float): drop "
+                          "--config.quantization.weights / group_size / embeddings.")
   if adapter:
     raise PretrainedError(f"{path} holds its kernels in {kind}; --adapter merges an adapter "
                           "into float weights: serve the adapter over a float checkpoint.")
