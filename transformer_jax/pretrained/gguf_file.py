@@ -35,8 +35,9 @@ from transformer_jax.pretrained import mapping
 
 PretrainedError = files.PretrainedError
 SUFFIX = ".gguf"
-# GGUF architecture -> Hugging Face model_type (llama.cpp writes Mistral as llama).
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# GGUF's general.architecture ("arch", as llama.cpp says) -> Hugging Face model_type
+# (llama.cpp writes Mistral as llama).
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _PERMUTED = ("llama",)  # whose q / k rows llama.cpp permutes
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
            "output_norm.weight", "lm_head.weight": "output.weight"}
@@ -83,10 +84,10 @@ class GGUF:
       raise PretrainedError(f"{path} cannot be read as a GGUF file ({_short(e)}): it is "
                             "damaged or not GGUF; download it again.") from None
     self._by_name = {t.name: t for t in self._reader.tensors}
-    self.architecture = self.field("general.architecture")
-    if self.architecture not in ARCHITECTURES:
-      raise PretrainedError(f"{path}: GGUF architecture {self.architecture!r} is not "
-                            f"supported; supported: {', '.join(ARCHITECTURES)}.")
+    self.arch = self.field("general.architecture")
+    if self.arch not in MODEL_TYPES:
+      raise PretrainedError(f"{path}: GGUF architecture {self.arch!r} is not "
+                            f"supported; supported: {', '.join(MODEL_TYPES)}.")
     self._check_types()
 
   def field(self, key: str, default: Any = None) -> Any:
@@ -121,7 +122,7 @@ class GGUF:
 
   @property
   def names(self) -> list[str]:
-    layers = int(self.field(f"{self.architecture}.block_count", 0))
+    layers = int(self.field(f"{self.arch}.block_count", 0))
     candidates = list(_GLOBAL) + [f"model.layers.{i}.{part}.{kind}" for i in range(layers)
                                   for part in _LAYER for kind in ("weight", "bias")]
     return [name for name in candidates if name in self]
@@ -182,7 +183,7 @@ class GGUF:
 
   def _unpermuted(self, hf_name: str, rows: np.ndarray) -> np.ndarray:
     """llama.cpp's RoPE order of Llama's query and key rows back to Hugging Face's."""
-    if self.architecture not in _PERMUTED or not hf_name.endswith(
+    if self.arch not in _PERMUTED or not hf_name.endswith(
         ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
       return rows
     config = self.config
@@ -195,12 +196,12 @@ class GGUF:
   @functools.cached_property
   def config(self) -> dict:
     """The model's config.json, from the metadata."""
-    a = self.architecture
+    a = self.arch
     get = lambda key, default=None: self.field(f"{a}.{key}", default)
     try:
       heads, hidden = int(get("attention.head_count")), int(get("embedding_length"))
       config = dict(
-          model_type=ARCHITECTURES[a], hidden_size=hidden,
+          model_type=MODEL_TYPES[a], hidden_size=hidden,
           intermediate_size=int(get("feed_forward_length")),
           num_hidden_layers=int(get("block_count")), num_attention_heads=heads,
           num_key_value_heads=int(get("attention.head_count_kv", heads)),
@@ -248,7 +249,7 @@ class GGUF:
       token_id = self.field(f"tokenizer.ggml.{key}")
       settings[name] = tokens["tokens"][token_id] if token_id is not None else None
     try:
-      backend, _ = mapping.convert_gguf_tokenizer(self.architecture, tokens)
+      backend, _ = mapping.convert_gguf_tokenizer(self.arch, tokens)
     except Exception as e:  # pylint: disable=broad-except  # the converter's own errors
       raise PretrainedError(f"{self.path}: its tokenizer cannot be rebuilt ({_short(e)}).") \
           from None
