@@ -17,7 +17,8 @@ Variants, each in a process of its own, taking turns (--rounds of --steps steps 
                (config.quantization.embeddings).
 --variants picks them (default full,lora,lora_bf16); ratios are against the first.
 Per variant: the median seconds per step over the rounds after two warm-up steps, the
-process's peak resident memory (ru_maxrss), the optimizer state's bytes, and the bytes of the
+process's peak resident memory (ru_maxrss), the bytes the compiled step needs (XLA's memory
+analysis: its arguments, outputs and temporaries), the optimizer state's bytes, and the bytes of the
 arrays a step's checkpoint writes (the trained parameters and their optimizer state; a LoRA
 run's frozen base is written once, not per step). Prints one JSON line. A benchmark, not a test.
 """
@@ -75,8 +76,8 @@ def serve(args) -> None:
   if args.side != "full":
     config.lora.update(rank=args.rank, targets=args.targets, base_dtype=BASE_DTYPES[args.side])
     config.quantization.embeddings = args.side.endswith("e")
-  run, state = benchmark.train_step_runner(config, families.get(config), args.batch_size,
-                                           seq_len, batch=batch, with_state=True)
+  run, state, step_bytes = benchmark.train_step_runner(
+      config, families.get(config), args.batch_size, seq_len, batch=batch, with_state=True)
   for _ in range(2):
     run()
   print("ready", flush=True)
@@ -89,6 +90,7 @@ def serve(args) -> None:
   current = state()
   print(json.dumps(dict(
       peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+      step_gb=step_bytes() / 2**30,
       trained_params=sum(x.size for x in jax.tree.leaves(current.params)),
       frozen_params=sum(x.size for x in jax.tree.leaves(current.frozen)),
       frozen_mb=quantization.parameter_bytes(current.frozen) / 2**20,
@@ -138,7 +140,7 @@ def main():
     result[f"{side}_vs_{variants[0]}"] = {
         key: (round(result[side][key] / result[variants[0]][key], 3)
               if result[variants[0]][key] else None)  # full fine-tuning freezes nothing
-        for key in ("step_s", "peak_rss_gb", "frozen_mb", "optimizer_state_mb",
+        for key in ("step_s", "peak_rss_gb", "step_gb", "frozen_mb", "optimizer_state_mb",
                     "checkpoint_per_step_mb")}
   print(json.dumps(result))
 

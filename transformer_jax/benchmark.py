@@ -61,7 +61,7 @@ def train_step_runner(config, family, batch_size: int, seq_len: int,
   """A call that runs one training step (config.parallel's layout) on fixed random tokens (or
   the host arrays of `batch`, e.g. a classifier's inputs and labels) and blocks until it is
   done; the state it updates lives in the closure (`with_state`: also a call that returns
-  it)."""
+  it, and one that returns the bytes the compiled step needs: `compiled_bytes`)."""
   train.use_prng_impl(config)
   layout = parallel.make_layout(config)
   if batch is None:
@@ -78,7 +78,18 @@ def train_step_runner(config, family, batch_size: int, seq_len: int,
     holder["state"], sums = step(holder["state"], batch, dropout)
     jax.block_until_ready(sums)
 
-  return (run, lambda: holder["state"]) if with_state else run
+  if not with_state:
+    return run
+  return run, lambda: holder["state"], lambda: compiled_bytes(step, holder["state"], batch,
+                                                              dropout)
+
+
+def compiled_bytes(compiled, *args) -> int:
+  """Bytes XLA's program for `compiled(*args)` needs while it runs: its arguments, its outputs
+  (those that reuse an argument's buffer counted once) and its temporaries."""
+  memory = compiled.lower(*args).compile().memory_analysis()
+  return (memory.argument_size_in_bytes + memory.output_size_in_bytes
+          - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
 
 
 def train_speed(config, family, batch_size: int, seq_len: int, steps: int, warmup: int,
