@@ -15,7 +15,8 @@ Variants, each in a process of its own, taking turns (--rounds of --steps steps 
   lora_int8, lora_int4  the same over a base whose kernels are int8 / int4 (QLoRA; int4 in
                groups of 128); lora_int8e, lora_int4e: its token embedding int8 too
                (config.quantization.embeddings).
---variants picks them (default full,lora,lora_bf16); ratios are against the first.
+--variants picks them (default full,lora,lora_bf16); ratios are against the first. --remat:
+every variant with config.model.remat (each layer recomputed in the backward pass).
 Per variant: the median seconds per step over the rounds after two warm-up steps, the
 process's peak resident memory (ru_maxrss), the bytes the compiled step needs (XLA's memory
 analysis: its arguments, outputs and temporaries), the optimizer state's bytes, and the bytes of the
@@ -61,6 +62,7 @@ def serve(args) -> None:
   hf, seq_len = MODELS[args.model], args.seq_len
   config = default_config.get_config()
   config.label_smoothing = 0.0
+  config.model.remat = args.remat
   batch = None
   if hf["model_type"] == "t5":
     config.model.update(t5.model_fields(hf, tied=True), max_len=seq_len)
@@ -109,6 +111,7 @@ def main():
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--steps", type=int, default=2)
   parser.add_argument("--variants", default="full,lora,lora_bf16")
+  parser.add_argument("--remat", action="store_true")  # config.model.remat: layers recomputed
   parser.add_argument("--side", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.side:
@@ -120,7 +123,7 @@ def main():
     children[side] = subprocess.Popen(
         [sys.executable, __file__, "--side", side, "--model", args.model, "--rank",
          str(args.rank), "--targets", args.targets, "--batch_size", str(args.batch_size),
-         "--seq_len", str(args.seq_len)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+         "--seq_len", str(args.seq_len)] + ["--remat"] * args.remat, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         text=True, cwd=ROOT)
     assert children[side].stdout.readline().strip() == "ready", side
   times = {side: [] for side in variants}
@@ -130,7 +133,7 @@ def main():
       child.stdin.flush()
       times[side].append(float(child.stdout.readline()))
   result = dict(model=args.model, rank=args.rank, targets=args.targets,
-                batch_size=args.batch_size, seq_len=args.seq_len)
+                batch_size=args.batch_size, seq_len=args.seq_len, remat=args.remat)
   for side, child in children.items():
     child.stdin.close()
     result[side] = dict(step_s=statistics.median(times[side]),
