@@ -8,19 +8,21 @@
 #   bash tools/gpu_session.sh pretrained OUT    # fine-tuning and decoding against transformers
 #   bash tools/gpu_session.sh lm OUT            # GPT-2 0.5B step: attention dropout, a trace
 #   bash tools/gpu_session.sh kernels OUT       # issue #59's table: kernels, steps, decoding
+#   bash tools/gpu_session.sh quantization OUT  # issue #60: int8 / int4 decode, QLoRA memory
 #
 # OUT collects the logs. Needs ml_collections, rouge-score and nltk where the image lacks them
 # (carried as wheels in .whl/) and, for the Multi30k runs, the corpus in .gpudata/multi30k/.
 # (kernels: tokamax and its needs too: tokamax, einshape, qwix, typeguard 2.13.3, immutabledict,
 # tensorboardx, pydantic + pydantic-core + typing-inspection + annotated-types,
-# typing-extensions.) Copy the numbers into benchmarks/RESULTS.md (GPU section) with the device and jax version.
+# typing-extensions. quantization: qwix, gguf and gguf's pyyaml and tqdm; not yet run on a GPU.)
+# Copy the numbers into benchmarks/RESULTS.md (GPU section) with the device and jax version.
 # Never run two stages at once: each JAX process takes 75% of the GPU's memory up front (two
 # Multi30k runs side by side ran out of memory in issue #41's session).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 stage=${1:-} out=${2:-/tmp/gpu_session}
-if [[ ! $stage =~ ^(correctness|tests|speed|recipe|pretrained|lm|kernels)$ ]]; then
-  echo "usage: $0 correctness|tests|speed|recipe|pretrained|lm|kernels OUT" >&2
+if [[ ! $stage =~ ^(correctness|tests|speed|recipe|pretrained|lm|kernels|quantization)$ ]]; then
+  echo "usage: $0 correctness|tests|speed|recipe|pretrained|lm|kernels|quantization OUT" >&2
   exit 2
 fi
 mkdir -p "$out"
@@ -99,6 +101,23 @@ case $stage in
         --profile_dir /tmp/trace_lm > "$out/profile_attn0.log" 2>&1
     tail -1 "$out/profile_attn0.log"
     python3 benchmarks/trace_summary.py /tmp/trace_lm --top 40 > "$out/trace_attn0.txt" 2>&1
+    ;;
+  quantization)
+    # Issue #60 (about 9 minutes): the quantization and GGUF tests; memory and greedy decode
+    # per weight format at SmolLM2-135M's and Qwen2.5-0.5B's sizes (goal: int8 batch 1 >= 1.5x
+    # bfloat16); the QLoRA step's compiled memory against a bfloat16 base (goal <= 0.4x). The
+    # LoRA variants run side by side: no process may take 75% of the GPU up front.
+    log=$out/quantization.log
+    timeout -s INT 150 bash tools/test_gpu.sh -rfE --tb=line tests/test_quantization.py \
+        tests/test_gguf.py 2>&1 | tee "$out/quantization_tests.log" | tail -3
+    for size in smollm2-135m llama-0.5b; do
+      group=0 && [[ $size == smollm2-135m ]] && group=64
+      JAX_PLATFORMS=cuda timeout 180 python3 benchmarks/quantized_decode.py --make "$size" \
+          --pretrained "/tmp/q_$size" --group_size "$group" 2>&1 | tail -8 | tee -a "$log"
+    done
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 benchmarks/compare_lora.py \
+        --model qwen2.5-0.5b --batch_size 8 --seq_len 512 \
+        --variants lora_bf16,lora_int4,lora_int4e 2>&1 | tail -1 | tee -a "$log"
     ;;
   kernels)
     # Issue #59's table in one device call (about 9 minutes; the device tool brings back at
