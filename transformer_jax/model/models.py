@@ -122,7 +122,8 @@ class TokenEmbedding(nn.Module):
 
   def attend(self, y: Array) -> Array:
     """Float32 logits of `y`, multiplied in y's dtype (see `layers.tied_logits`); an int8
-    table's rows (inference only) multiplied as int8 values, each logit then scaled."""
+    table (config.quantization.embeddings: served, or a QLoRA run's frozen base) multiplied
+    by its int8 rows, each logit then scaled."""
     table = self.embedding.embedding
     if isinstance(table, quantization.Int8Table):
       logits = layers.float32_sum_dot(y, table.values.astype(y.dtype),
