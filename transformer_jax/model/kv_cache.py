@@ -19,6 +19,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.model import quantization
+
 Array = jax.Array
 
 
@@ -47,15 +49,13 @@ def stored_dtype(cache_dtype: str, dtype) -> Any:
 
 def quantize(x: Array) -> tuple[Array, Array]:
   """Keys or values kept-last [rows, n, d, q] -> (int8 of the same shape, float32 scales
-  [rows, n, 1, q]): each token's head vector over its largest magnitude, times 127 (symmetric
-  absmax, as JetStream and vLLM quantize a KV cache, here per token and head)."""
-  scale = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=2, keepdims=True) / 127.0
-  q = jnp.round(x.astype(jnp.float32) / jnp.where(scale == 0, 1.0, scale))
-  return jnp.clip(q, -127, 127).astype(jnp.int8), scale
+  [rows, n, 1, q]): symmetric absmax per token and head, as JetStream and vLLM quantize a KV
+  cache."""
+  return quantization.absmax_int8(x, axis=2)
 
 
 def dequantize(q: Array, scale: Array, dtype) -> Array:
-  return (q.astype(jnp.float32) * scale).astype(dtype)
+  return quantization.from_int8(q, scale, dtype)
 
 
 def write(cached: Array, new: Array, index: Array) -> Array:

@@ -101,7 +101,7 @@ def quantize_params(params: Any, abstract_quantized: Any) -> Any:
   flat = traverse_util.flatten_dict(params)
   wanted = traverse_util.flatten_dict(abstract_quantized)
   for path, leaf in flat.items():
-    target = _unboxed(wanted.get(path))
+    target = wanted.get(path)  # quantized leaves are never boxed whole: their parts are
     if is_quantized(leaf) or not is_quantized(target):
       continue
     if isinstance(target, Int8Table):
@@ -110,10 +110,6 @@ def quantize_params(params: Any, abstract_quantized: Any) -> Any:
     one = traverse_util.unflatten_dict({path: jnp.asarray(leaf)})
     flat[path] = traverse_util.flatten_dict(qwix.quantize_params(one, abstract_quantized))[path]
   return traverse_util.unflatten_dict(flat)
-
-
-def _unboxed(leaf: Any) -> Any:
-  return leaf.unbox() if isinstance(leaf, nn.meta.AxisMetadata) else leaf
 
 
 def dequantized(params: Any) -> Any:
@@ -148,19 +144,29 @@ class Int8Table:
 
   def lookup(self, ids: jax.Array) -> jax.Array:
     """Rows `ids` in float32: [..., width]."""
-    return (jnp.take(self.values, ids, axis=0).astype(jnp.float32)
-            * jnp.take(self.scales, ids, axis=0))
+    return from_int8(jnp.take(self.values, ids, axis=0), jnp.take(self.scales, ids, axis=0))
 
   def dequantized(self) -> jax.Array:
-    return self.values.astype(jnp.float32) * self.scales
+    return from_int8(self.values, self.scales)
+
+
+def absmax_int8(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+  """`x` in int8 along `axis`: each vector over its largest magnitude, times 127 (symmetric
+  absmax), and its float32 scale (that axis kept, of size 1)."""
+  x = jnp.asarray(x, jnp.float32)
+  scale = jnp.max(jnp.abs(x), axis=axis, keepdims=True) / 127.0
+  q = jnp.round(x / jnp.where(scale == 0, 1.0, scale))
+  return jnp.clip(q, -127, 127).astype(jnp.int8), scale
+
+
+def from_int8(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+  """`absmax_int8`'s values back in `dtype`."""
+  return (q.astype(jnp.float32) * scale).astype(dtype)
 
 
 def int8_table(table: jax.Array) -> Int8Table:
-  """`table` [rows, width] in int8, each row scaled by its largest magnitude over 127."""
-  table = jnp.asarray(table, jnp.float32)
-  scales = jnp.max(jnp.abs(table), axis=1, keepdims=True) / 127.0
-  values = jnp.round(table / jnp.where(scales == 0, 1.0, scales))
-  return Int8Table(values.astype(jnp.int8), scales)
+  """`table` [rows, width] in int8, a scale per row (`absmax_int8`)."""
+  return Int8Table(*absmax_int8(table, axis=1))
 
 
 def int8_table_init(init, names: tuple[str, str]):
