@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import traverse_util
 
 from transformer_jax.model import quantization
 from transformer_jax.pretrained import files
@@ -312,40 +313,26 @@ def read_params(source: GGUF, table, shapes, abstract) -> dict:
   """Our parameter tree of the file: the kernels of `table` (mapping.Entry: dense, heads_in,
   heads_out) as quantized leaves in the layout of `abstract` (the quantized model's
   parameters), everything else float32 as `mapping.build_params` converts it."""
-  held = quantization.is_quantized
-  quantized_paths = {tuple(k.key for k in path) for path, leaf in
-                     jax.tree_util.tree_flatten_with_path(abstract, is_leaf=held)[0]
-                     if held(leaf)}
-  floats = [e for e in table if e.path not in quantized_paths]
-  params = mapping.build_params(floats, source.__getitem__, shapes)
+  wanted = {path: leaf for path, leaf in traverse_util.flatten_dict(abstract).items()
+            if quantization.is_quantized(leaf)}
+  params = traverse_util.flatten_dict(mapping.build_params(
+      [e for e in table if e.path not in wanted], source.__getitem__, shapes))
   # Scales have one row per 32 inputs: the output projection's [h * d / 32, emb] splits into
   # [h, d / 32, emb] as its values' [h * d, emb] into [h, d, emb].
   scale_shapes = dataclasses.replace(shapes, head_dim=shapes.head_dim // BLOCK)
-  for entry in table:
-    if entry.path not in quantized_paths:
-      continue
+  for entry in (e for e in table if e.path in wanted):
     pairs = [source.quantized(name) for name in entry.hf]
     values = mapping.to_ours(entry, [v for v, _ in pairs], shapes)
     scales = mapping.to_ours(entry, [s for _, s in pairs],
                              scale_shapes if entry.kind == "heads_out" else shapes)
-    leaf = _leaf(abstract, entry.path)
-    qvalue_dtype = jax.tree.leaves(leaf)[0].dtype
+    leaf = wanted[entry.path]
     if values.shape != tuple(leaf.shape):
       raise PretrainedError(f"{source.path}: {'/'.join(entry.path)} is {list(values.shape)} "
                             f"in the file but {list(leaf.shape)} in its model.")
-    node = params
-    for key in entry.path[:-1]:
-      node = node.setdefault(key, {})
-    node[entry.path[-1]] = jax.tree.unflatten(  # QArray's leaves: values, scales
-        jax.tree.structure(leaf),
-        [np.asarray(values).astype(qvalue_dtype), np.ascontiguousarray(scales, np.float32)])
-  return params
-
-
-def _leaf(tree, path):
-  for key in path:
-    tree = tree[key]
-  return tree
+    params[entry.path] = jax.tree.unflatten(  # QArray's leaves: values, scales
+        jax.tree.structure(leaf), [np.asarray(values).astype(jax.tree.leaves(leaf)[0].dtype),
+                                   np.ascontiguousarray(scales, np.float32)])
+  return traverse_util.unflatten_dict(params)
 
 
 def _short(error: Exception) -> str:
