@@ -108,7 +108,10 @@ class EncoderDecoder(family_base.SequenceFamily):
     self.code_after_prompt = bool(directions.pairs(config))
     # mBART-cc25 / NLLB legacy_behaviour: `X </s> [code]`, ended by the tokenizer itself.
     self.code_after_eos = bool(config.get("code_after_eos", False))
-    self.runner = runners.EncoderDecoderRunner(self.decoding_model(), self.model_config)
+    self.runner = self._make_runner()
+
+  def _make_runner(self):
+    return runners.EncoderDecoderRunner(self.decoding_model(), self.model_config)
 
   def _make_model(self, model_config=None):
     return models.EncoderDecoder(model_config or self.model_config)
@@ -208,8 +211,10 @@ class DecoderOnly(family_base.SequenceFamily):
   def __init__(self, config: ml_collections.ConfigDict):
     super().__init__(config)
     self.unshifted = config.get("prompt_format", "task") != "task"
-    self.runner = runners.DecoderOnlyRunner(self.decoding_model(), self.model_config,
-                                            self.unshifted)
+    self.runner = self._make_runner()
+
+  def _make_runner(self):
+    return runners.DecoderOnlyRunner(self.decoding_model(), self.model_config, self.unshifted)
 
   @staticmethod
   def longest_sequence(config):

@@ -5,6 +5,7 @@ themselves, and the registry of them, are in families.py."""
 from __future__ import annotations
 
 import abc
+import copy
 from typing import Sequence
 
 import jax
@@ -46,6 +47,18 @@ class Family(abc.ABC):
     self.float_model = self._make_model()
     self.model = quantization.quantized(self._make_model(self._held_config()),
                                         self.quantization)
+
+  def with_adapters(self, lora: model_schema.LoraSpec) -> "Family":
+    """This family over a model with adapters `lora` (a server's per-row adapters,
+    lora.per_row_spec), the same in all else: parameters are this model's plus the adapters."""
+    family = copy.copy(self)
+    family.model_config = self.model_config.replace(lora=lora)
+    family.float_model = family._make_model()
+    family.model = quantization.quantized(family._make_model(family._held_config()),
+                                          self.quantization)
+    if hasattr(self, "runner"):
+      family.runner = family._make_runner()
+    return family
 
   def trained_in_full(self) -> tuple[str, ...]:
     """Top-level parameters that train in full beside LoRA adapters (PEFT's

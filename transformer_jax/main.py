@@ -44,8 +44,10 @@ flags.DEFINE_string("compilation_cache", None, "serve: JAX's persistent compilat
 flags.DEFINE_string("pretrained", None, "evaluate / predict / serve: serve this Hugging Face "
                     "checkpoint (a folder or hub name) as it is, without a workdir. To "
                     "fine-tune one, train with --config.pretrained=PATH.")
-flags.DEFINE_string("adapter", None, "with --pretrained (predict, evaluate, serve): a PEFT LoRA adapter folder made for "
-                    "that checkpoint, merged into its weights at load.")
+flags.DEFINE_multi_string("adapter", None, "with --pretrained (predict, evaluate, serve): a "
+                          "PEFT LoRA adapter folder made for that checkpoint, merged into its "
+                          "weights at load. serve: NAME=DIR, repeatable, serves each adapter "
+                          "unmerged beside the base; a request's model names its adapter.")
 flags.DEFINE_enum("export_format", "hf", ["hf", "peft"], "export: 'hf' = the whole model as a "
                   "Hugging Face folder (LoRA adapters merged), 'peft' = a LoRA run's adapters as "
                   "a PEFT adapter folder.")
@@ -205,8 +207,20 @@ def _pretrained_predictor():
   the command line win over its generation_config.json)."""
   from transformer_jax import predict  # pylint: disable=g-import-not-at-top
   given = [k for k in _given_config_keys() if k.startswith("decoding.") or k == "prompt_format"]
+  merged, named = _adapters()
+  if named:
+    raise ValueError(f"--adapter {next(iter(named))}=DIR names an adapter for --mode serve "
+                         "(several side by side); --mode predict and evaluate take one, "
+                         "merged: --adapter DIR.")
   return predict.Predictor.from_pretrained(flags.FLAGS.pretrained, flags.FLAGS.config,
-                                           given_keys=given, adapter=flags.FLAGS.adapter)
+                                           given_keys=given, adapter=merged)
+
+
+def _adapters() -> tuple[str | None, dict[str, str]]:
+  """--adapter: (the folder merged into the weights, or None; {name: folder} served per
+  row)."""
+  from transformer_jax.serving import adapters  # pylint: disable=g-import-not-at-top
+  return adapters.parse(flags.FLAGS.adapter)
 
 
 def _run() -> None:
@@ -269,16 +283,20 @@ def _run() -> None:
 
 
 def _serve(workdir: str | None, serving: bool) -> None:
+  from transformer_jax.serving import adapters  # pylint: disable=g-import-not-at-top
   from transformer_jax.serving import server  # pylint: disable=g-import-not-at-top
+  merged, named = _adapters()
   server.check_address(flags.FLAGS.host, flags.FLAGS.port)  # before the minutes of loading
   server.use_compilation_cache(flags.FLAGS.compilation_cache)
   given = [k for k in _given_config_keys() if k.startswith("decoding.") or k == "prompt_format"]
   predictor = server.load_model(
       workdir, flags.FLAGS.pretrained, None if serving else _checkpoint(),
       flags.FLAGS.average_last, flags.FLAGS.config if serving else _inference_config(),
-      given_keys=given if serving else None, adapter=flags.FLAGS.adapter)
-  server.run_serve(predictor, server.model_name(workdir, flags.FLAGS.pretrained),
-                   flags.FLAGS.host, flags.FLAGS.port, flags.FLAGS.api_key)
+      given_keys=given if serving else None, adapter=merged)
+  name = server.model_name(workdir, flags.FLAGS.pretrained)
+  served = adapters.load(predictor, named, name) if named else None
+  server.run_serve(predictor, name, flags.FLAGS.host, flags.FLAGS.port, flags.FLAGS.api_key,
+                   adapters=served)
 
 
 def _flag_value(argv: list[str], name: str) -> str | None:

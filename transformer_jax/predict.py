@@ -250,15 +250,22 @@ def _with_adapter(params: dict, adapter: str, checkpoint, config: ml_collections
                   ) -> dict:
   """`params` of `checkpoint` with the PEFT adapter in folder `adapter` merged into them (and
   the classifier head it saved, if any)."""
+  adapters, lora = read_peft_adapter(adapter, checkpoint, config)
+  logging.info("Merged the LoRA adapter of %s into %s.", adapter, checkpoint.folder)
+  return jax.device_get(lora_lib.merge(lora_lib.combine(adapters, params), lora))
+
+
+def read_peft_adapter(folder: str, checkpoint, config: ml_collections.ConfigDict
+                      ) -> tuple[dict, lora_lib.LoraSpec]:
+  """The PEFT LoRA adapter in `folder`, made for `checkpoint` (served with `config`): our
+  adapter parameters (and a classifier head it saved, if any), and its LoraSpec."""
   from transformer_jax.pretrained import peft  # pylint: disable=g-import-not-at-top
   adapted = ml_collections.ConfigDict(config.to_dict())
-  adapted.lora.update(peft.settings(adapter, checkpoint))
+  adapted.lora.update(peft.settings(folder, checkpoint))
   family = families.get(adapted)
   boxed = jax.eval_shape(functools.partial(family.init_params, boxed=True),
                          jax.random.PRNGKey(0))
   expected = parallel.unbox(lora_lib.split(boxed, family.trained_in_full())[0])
-  adapters = peft.read_adapter(adapter, checkpoint, family.model_config, expected,
+  adapters = peft.read_adapter(folder, checkpoint, family.model_config, expected,
                                family.trained_in_full())
-  logging.info("Merged the LoRA adapter of %s into %s.", adapter, checkpoint.folder)
-  return jax.device_get(lora_lib.merge(lora_lib.combine(adapters, params),
-                                       family.model_config.lora))
+  return adapters, family.model_config.lora

@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from flax import traverse_util
 
 from transformer_jax.model.schema import LORA_TARGETS, LoraSpec
@@ -92,14 +93,19 @@ class Adapter(nn.Module):
     parts = targeted_parts(self.lora, self.projection)
     fused = self.projection in FUSED
     lead = (len(parts),) if fused else ()
+    # Per row: a leading axis of the batch's rows (at rest, of a server's stacked adapters).
+    row = (x.shape[0],) if self.lora.per_row else ()
     a = self.param("a", nn.with_logical_partitioning(
-        _a_init(math.prod(in_shape)), (*self.in_names, *[None] * len(lead), None)),
-                   (*in_shape, *lead, rank))
+        _a_init(math.prod(in_shape)), (*[None] * len(row), *self.in_names,
+                                       *[None] * len(lead), None)),
+                   (*row, *in_shape, *lead, rank))
     b = self.param("b", nn.with_logical_partitioning(
-        nn.initializers.zeros_init(), (*[None] * len(lead), None, *self.out_names)),
-                   (*lead, rank, *self.out_shape))
+        nn.initializers.zeros_init(), (*[None] * len(row + lead), None, *self.out_names)),
+                   (*row, *lead, rank, *self.out_shape))
     x = nn.Dropout(self.lora.dropout)(x, deterministic=deterministic)
     x, a, b = (v.astype(self.dtype) for v in (x, a, b))
+    if self.lora.per_row:
+      return self._per_row(x, a, b, len(parts) if fused else 0, parts)
     low = jnp.tensordot(x, a, axes=n_in) * jnp.asarray(self.lora.scale, self.dtype)
     if not fused:
       return jnp.tensordot(low, b, axes=1)  # [..., *out]
@@ -107,6 +113,21 @@ class Adapter(nn.Module):
     update = jnp.einsum("...pr,prz->...pz", low, b.reshape(len(parts), rank, -1))
     return _all_parts(update.reshape(*low.shape[:-1], *self.out_shape), self.projection,
                       parts)
+
+  def _per_row(self, x: Array, a: Array, b: Array, fused_parts: int, parts) -> Array:
+    """The update of row r with its own a[r], b[r]: x [rows, ..., *in] -> [rows, ..., *out]."""
+    rows, rank, n_in = x.shape[0], self.lora.rank, len(self.in_names)
+    middle = x.shape[1:x.ndim - n_in]
+    flat_x = x.reshape(rows, -1, math.prod(x.shape[x.ndim - n_in:]))  # [rows, m, in]
+    low = jnp.einsum("rmi,rik->rmk", flat_x, a.reshape(rows, flat_x.shape[-1], -1))
+    low = low * jnp.asarray(self.lora.scale, self.dtype)
+    if not fused_parts:
+      update = jnp.einsum("rmk,rko->rmo", low, b.reshape(rows, rank, -1))
+      return update.reshape(rows, *middle, *self.out_shape)
+    low = low.reshape(rows, -1, fused_parts, rank)
+    update = jnp.einsum("rmpk,rpkz->rmpz", low, b.reshape(rows, fused_parts, rank, -1))
+    return _all_parts(update.reshape(rows, *middle, fused_parts, *self.out_shape),
+                      self.projection, parts)
 
 
 def _all_parts(per_part: Array, projection: str, parts: tuple[int, ...]) -> Array:
@@ -194,6 +215,54 @@ def update(a: Array, b: Array, lora: LoraSpec, projection: str) -> Array:
   # [emb, parts, r] x [parts, r, h, d] -> [emb, parts, h, d].
   return _all_parts(lora.scale * jnp.einsum("epr,prhd->ephd", a, b), projection,
                     targeted_parts(lora, projection))
+
+
+# ---- Several adapters per batch (a server's, one per row) -----------------------------------
+
+def per_row_spec(specs: list[LoraSpec]) -> LoraSpec:
+  """The per-row adapters that hold each of `specs`: the largest rank, every target, and
+  scale 1 (each adapter's own scale is folded into its b by `stacked`)."""
+  rank = max(spec.rank for spec in specs)
+  targets = tuple(t for t in LORA_TARGETS if any(t in spec.targets for spec in specs))
+  return LoraSpec(rank, float(rank), targets=targets, per_row=True)
+
+
+def stacked(adapters: list[tuple[dict, LoraSpec]], wide: LoraSpec, like: dict) -> dict:
+  """The adapter trees `adapters` (each with its own spec) stacked along a first axis, after
+  an all-zero entry 0 (the base model alone), in the layout of per-row spec `wide`: ranks
+  padded with zeros, a fused projection's parts placed among `wide`'s, and scales folded into
+  b. `like`: one row's adapters of `wide`'s model (shapes [1, ...])."""
+  entries = []
+  for adapters_tree, lora in [({}, wide)] + adapters:
+    flat = traverse_util.flatten_dict(adapters_tree)
+    entry = {}
+    for path, shape in traverse_util.flatten_dict(like).items():
+      entry[path] = np.zeros(np.shape(shape)[1:], np.float32)
+    for path in [p for p in entry if p[-1] == "a" and p in flat]:
+      site, projection = path[:-1], path[-2][:-len(SUFFIX)]
+      a, b = np.asarray(flat[path], np.float32), np.asarray(flat[site + ("b",)], np.float32)
+      wide_a, wide_b = entry[path], entry[site + ("b",)]
+      if projection not in FUSED:
+        wide_a[..., :lora.rank], wide_b[:lora.rank] = a, b * lora.scale
+        continue
+      wide_parts = targeted_parts(wide, projection)
+      for j, part in enumerate(targeted_parts(lora, projection)):
+        k = wide_parts.index(part)
+        wide_a[..., k, :lora.rank], wide_b[k, :lora.rank] = a[..., j, :], b[j] * lora.scale
+    entries.append(entry)
+  return traverse_util.unflatten_dict(
+      {path: np.stack([entry[path] for entry in entries]) for path in entries[0]})
+
+
+def for_rows(params: Any, adapter_ids: Array) -> Any:
+  """`params` holding `stacked` adapters with each adapter gathered for the rows: x[ids]
+  [rows, ...], row r's adapter adapter_ids[r] (0: none). Without adapters, `params`."""
+  flat = traverse_util.flatten_dict(params)
+  if not any(map(is_adapter, flat)):
+    return params
+  return traverse_util.unflatten_dict(
+      {path: jnp.take(v, adapter_ids, axis=0) if is_adapter(path) else v
+       for path, v in flat.items()})
 
 
 def without(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

@@ -1,7 +1,7 @@
 """The FastAPI application: OpenAI's routes over a Predictor and its batching engine.
 
   GET  /health                  200 once the model is loaded and compiled
-  GET  /v1/models               the one model served
+  GET  /v1/models               the model served, and its named adapters (adapters.py)
   POST /v1/completions          prompt(s) -> text (text families)
   POST /v1/chat/completions     messages -> reply (text families)
   POST /v1/classifications      texts -> label and probabilities (classifiers)
@@ -52,11 +52,29 @@ class Service:
     self.tokenizer = predictor.tokenizer
     self.max_n = predictor.config.serve.max_n
     self.scorer = None if self.classifier else token_scores.TokenScorer(self.decoder)
+    self.adapters = self.decoder.adapters  # named adapters, or None
 
-  def check_model(self, model: str | None) -> None:
-    if model not in (None, self.name):
+  def model_cards(self) -> list[dict[str, Any]]:
+    """/v1/models: the base, then each named adapter (with its folder and the base, as vLLM
+    lists LoRA modules)."""
+    max_len = self.predictor.config.model.max_len
+    cards = [protocol.model_card(self.name, max_len, self.created)]
+    for name, folder in zip(self.adapters.names, self.adapters.folders) if self.adapters else ():
+      cards.append(protocol.model_card(name, max_len, self.created, root=folder,
+                                       parent=self.name))
+    return cards
+
+  def adapter(self, model: str | None) -> int:
+    """The named adapter (batch_decoder.Row.adapter) of the model a request names: 0 for the
+    base or none named; RequestError for a model not served."""
+    if model in (None, self.name):
+      return 0
+    index = self.adapters.index(model) if self.adapters else None
+    if index is None:
+      names = ", ".join(repr(card["id"]) for card in self.model_cards())
       raise texts.RequestError(f"The model {model!r} does not exist: this server serves "
-                               f"{self.name!r} (GET /v1/models).", "model")
+                               f"{names} (GET /v1/models).", "model")
+    return index
 
   def check_family(self, classification: bool) -> None:
     if classification != self.classifier:
@@ -67,7 +85,7 @@ class Service:
   def rows(self, request: protocol.Sampling, prompts: list, max_tokens: int | None
            ) -> tuple[list[batch_decoder.Row], int]:
     """Every (prompt, choice) row of a request, with its settings; and its max_tokens."""
-    self.check_model(request.model)
+    adapter = self.adapter(request.model)
     unsupported = request.unsupported()
     if unsupported:
       raise texts.RequestError(f"{unsupported} is not supported by this server.", unsupported)
@@ -92,7 +110,7 @@ class Service:
     for i, prompt in enumerate(prompts):
       for choice in range(request.n):
         rows.append(batch_decoder.Row(prompt, max_tokens, temperature, max(top_k, 0), top_p,
-                                      seed, i, choice))
+                                      seed, i, choice, adapter))
     return rows, max_tokens
 
   def submit(self, rows: list[batch_decoder.Row]) -> list[concurrent.futures.Future]:
@@ -128,7 +146,8 @@ class Service:
       return _streamed(self, request, prompts, request.max_tokens, chat=False)
     choices, prompt_tokens = await self.generate(request, prompts, request.max_tokens)
     echo_scores = request.echo and request.logprobs is not None
-    scores = await self.scores(prompts, choices, request.n) if echo_scores or top else None
+    scores = (await self.scores(prompts, choices, request)
+              if echo_scores or top else None)
     if request.echo:
       texts_given = [g if isinstance(g, str) else self.tokenizer.decode(p)
                      for g, p in zip(given, prompts)]
@@ -147,7 +166,7 @@ class Service:
     if request.stream:
       return _streamed(self, request, [prompt], max_tokens, chat=True)
     choices, prompt_tokens = await self.generate(request, [prompt], max_tokens)
-    scores = await self.scores([prompt], choices, request.n) if top else None
+    scores = await self.scores([prompt], choices, request) if top else None
     return _answer(self, request, choices, prompt_tokens, chat=True, scores=scores)
 
   def check_scores(self, request: protocol.Sampling, echo: bool, top: int) -> None:
@@ -162,13 +181,14 @@ class Service:
       raise texts.RequestError("Prompt log-probabilities and alternatives (echo, logprobs > 0, "
                                "top_logprobs) are not streamed: send stream=false.", "stream")
 
-  async def scores(self, prompts: list, choices: list[texts.Completion], n: int
-                   ) -> list[token_scores.Scores]:
-    """Each choice's token scores over its prompt and completion (token_scores.py), computed
-    off the event loop."""
-    pairs = [(prompts[i // n], c.token_ids) for i, c in enumerate(choices)]
+  async def scores(self, prompts: list, choices: list[texts.Completion],
+                   request: protocol.Sampling) -> list[token_scores.Scores]:
+    """Each choice's token scores over its prompt and completion (token_scores.py), with the
+    request's adapter, computed off the event loop."""
+    pairs = [(prompts[i // request.n], c.token_ids) for i, c in enumerate(choices)]
     return await asyncio.get_running_loop().run_in_executor(
-        None, self.scorer.score, [p for p, _ in pairs], [o for _, o in pairs])
+        None, self.scorer.score, [p for p, _ in pairs], [o for _, o in pairs],
+        [self.adapter(request.model)] * len(pairs))
 
   def stream(self, request: protocol.Sampling, prompts: list, max_tokens: int | None
              ) -> tuple[asyncio.Queue, list[texts.TextStream], int]:
@@ -216,8 +236,7 @@ def create_app(service: Service, api_key: str | None = None) -> fastapi.FastAPI:
 
   @app.get("/v1/models")
   async def models():
-    return {"object": "list", "data": [protocol.model_card(
-        service.name, service.predictor.config.model.max_len, service.created)]}
+    return {"object": "list", "data": service.model_cards()}
 
   @app.post("/v1/completions")
   async def completions(request: protocol.CompletionRequest):
@@ -231,7 +250,7 @@ def create_app(service: Service, api_key: str | None = None) -> fastapi.FastAPI:
 
   @app.post("/v1/classifications")
   async def classifications(request: protocol.ClassificationRequest):
-    service.check_model(request.model)
+    service.adapter(request.model)  # a classifier serves no named adapters: the base only
     service.check_family(classification=True)
     inputs = [request.input] if isinstance(request.input, str) else request.input
     if not inputs:
@@ -277,9 +296,9 @@ def _prompt_list(prompt) -> list:
   return list(prompt)
 
 
-def _head(service: Service, chat: bool) -> dict:
+def _head(service: Service, request: protocol.Sampling, chat: bool) -> dict:
   return {"id": protocol.new_id("chatcmpl" if chat else "cmpl"), "created": protocol.now(),
-          "model": service.name}
+          "model": request.model or service.name}  # the base's or an adapter's name
 
 
 def _answer(service: Service, request: protocol.Sampling, choices: list,
@@ -299,7 +318,7 @@ def _answer(service: Service, request: protocol.Sampling, choices: list,
     else:
       listed.append({"index": index, "text": choice.text, "logprobs": logprobs,
                      "finish_reason": choice.finish_reason})
-  return {**_head(service, chat), "object": kind, "choices": listed, "usage": usage}
+  return {**_head(service, request, chat), "object": kind, "choices": listed, "usage": usage}
 
 
 def _logprobs(service: Service, request, choice: texts.Completion, chat: bool,
@@ -368,7 +387,7 @@ def _streamed(service: Service, request: protocol.Sampling, prompts: list,
   their text is sent while they decode."""
   updates, streams, prompt_tokens = service.stream(request, prompts, max_tokens)
   return responses.StreamingResponse(
-      _stream(updates, streams, request, prompt_tokens, _head(service, chat), chat),
+      _stream(updates, streams, request, prompt_tokens, _head(service, request, chat), chat),
       media_type="text/event-stream")
 
 

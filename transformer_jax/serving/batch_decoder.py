@@ -24,6 +24,7 @@ import numpy as np
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax.inference import decoding
 from transformer_jax.inference import generate
+from transformer_jax.model import lora as lora_lib
 
 
 @dataclasses.dataclass
@@ -39,6 +40,7 @@ class Row:
   seed: int = 0
   prompt_index: int = 0
   choice: int = 0
+  adapter: int = 0  # the row's named adapter (adapters.AdapterSet.index); 0: the base alone
   # Called from the decoding thread after each segment of serve.stream_steps tokens that
   # added some to this row, with all of its tokens so far (ids, log-probabilities; EOS
   # included where it ended): a streamed request's text is sent while its batch decodes.
@@ -65,10 +67,18 @@ def power_of_two_buckets(low: int, high: int) -> list[int]:
 class BatchDecoder:
   """The predictor's model, decoding batches of `Row`s in bucketed shapes."""
 
-  def __init__(self, predictor, max_batch_size: int, stream_steps: int = 4):
+  def __init__(self, predictor, max_batch_size: int, stream_steps: int = 4,
+               adapters=None):
     self.predictor = predictor
-    self.family = predictor.family
     self.layout = predictor.layout
+    # Named adapters (adapters.AdapterSet): each row reads its own, stacked beside the base.
+    self.adapters = adapters
+    self.family = predictor.family
+    self.params = predictor.device_params
+    if adapters is not None:
+      self.family = predictor.family.with_adapters(adapters.lora)
+      self.params = lora_lib.combine(self.layout.place_params(adapters.stack, adapters.boxed),
+                                     self.params)
     config = predictor.config
     devices = self.layout.eval_devices
     # Whole rows per device: the batch is a multiple of the devices.
@@ -102,8 +112,8 @@ class BatchDecoder:
     processor = logits_processor(decoding_config)
 
     def start(params, prompts, rows):
-      del rows  # the settings matter from the first token on
-      cache, context, start_id = family.runner.prefill(params, prompts, prompts.shape[0], length)
+      cache, context, start_id = family.runner.prefill(
+          lora_lib.for_rows(params, rows["adapter"]), prompts, prompts.shape[0], length)
       state = decoding.start_sampling(cache, batch_size=prompts.shape[0], bos_id=start_id,
                                       max_decode_len=length)
       return state, context
@@ -112,7 +122,8 @@ class BatchDecoder:
       state, context = carried
       keys = row_keys(rows)
       state = decoding.sample_steps(
-          state, family.runner.step_logits(params, context), keys, steps=steps,
+          state, family.runner.step_logits(lora_lib.for_rows(params, rows["adapter"]),
+                                           context), keys, steps=steps,
           eos_id=tokenizer_lib.EOS_ID, end_ids=end_ids, temperature=rows["temperature"],
           top_k=rows["top_k"], top_p=rows["top_p"], row_limits=rows["max_tokens"],
           logits_processor=processor)
@@ -154,7 +165,7 @@ class BatchDecoder:
     layout = self.layout
     if self.classifier:
       keys = generate.row_keys(0, 0, count)
-      ids, scores = layout.host_rows(self._decode(self.predictor.device_params,
+      ids, scores = layout.host_rows(self._decode(self.params,
                                                   layout.eval_batch(prompts),
                                                   layout.eval_batch(keys)))
       # [rows, classes, 1] class ids most likely first -> every class's log-probability.
@@ -162,7 +173,7 @@ class BatchDecoder:
       np.put_along_axis(by_class, ids[:, :, 0], scores, axis=1)
       return [Output(np.zeros((0,), np.int32), by_class[i]) for i in range(len(rows))]
     row_settings = layout.eval_batch(settings(rows, count))
-    params = self.predictor.device_params
+    params = self.params
     carried = self._start(params, layout.eval_batch(prompts), row_settings)
     told = [0] * len(rows)  # tokens each row's on_tokens has been given
     carried, progress = self._advance(params, carried, row_settings)
@@ -215,7 +226,8 @@ def settings(rows: Sequence[Row], count: int) -> dict[str, np.ndarray]:
       "max_tokens": column((r.max_tokens for r in rows), np.int32, 1),
       "seed": column((r.seed % 2**31 for r in rows), np.int32, 0),
       "prompt_index": column((r.prompt_index for r in rows), np.int32, 0),
-      "choice": column((r.choice for r in rows), np.int32, 0)}
+      "choice": column((r.choice for r in rows), np.int32, 0),
+      "adapter": column((r.adapter for r in rows), np.int32, 0)}
 
 
 def each_shape(every: list[tuple[int, int]], shapes: Sequence[tuple[int, int]] | None,

@@ -132,6 +132,7 @@ def chat_logprobs(tokens: list[str], logprobs: list[float],
                        if top else []} for i, (t, p) in enumerate(zip(tokens, logprobs))]}
 
 
-def model_card(name: str, max_model_len: int, created: int) -> dict[str, Any]:
+def model_card(name: str, max_model_len: int, created: int, **more: str) -> dict[str, Any]:
+  """/v1/models' entry of a model (`more`: an adapter's root folder and parent model)."""
   return {"id": name, "object": "model", "created": created, "owned_by": "transformer_jax",
-          "max_model_len": max_model_len}
+          "max_model_len": max_model_len, **more}

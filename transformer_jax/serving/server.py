@@ -98,15 +98,17 @@ def check_host(host: str, api_key: str | None) -> None:
 
 
 def run_serve(predictor: predict.Predictor, name: str, host: str = "127.0.0.1",
-              port: int = 8000, api_key: str | None = None) -> None:
-  """Serves `predictor` at http://host:port until SIGTERM or Ctrl-C."""
+              port: int = 8000, api_key: str | None = None, adapters=None) -> None:
+  """Serves `predictor` at http://host:port until SIGTERM or Ctrl-C, with the named LoRA
+  `adapters` (adapters.AdapterSet) beside it where given."""
   import uvicorn  # pylint: disable=g-import-not-at-top
   api_key = api_key or os.environ.get(API_KEY_VARIABLE) or None
   check_host(host, api_key)
   serve = serve_config(predictor.config)
   with predictor.config.unlocked():
     predictor.config.serve = serve
-  decoder = batch_decoder.BatchDecoder(predictor, serve.max_batch_size, serve.stream_steps)
+  decoder = batch_decoder.BatchDecoder(predictor, serve.max_batch_size, serve.stream_steps,
+                                       adapters)
   pool = (slot_pool.SlotPool(decoder) if serve.get("continuous_batching", True)
           and not decoder.classifier else None)
   compiled = pool or decoder  # what is compiled per shape: the pool's refills, or batches
@@ -139,7 +141,8 @@ def run_serve(predictor: predict.Predictor, name: str, host: str = "127.0.0.1",
   compiler = threading.Thread(target=compile_the_rest, name="compile-shapes")
   compiler.start()
   try:
-    print(f"Serving {name} on http://{host}:{port}/v1 (Ctrl-C or SIGTERM stops).",
+    beside = f" and adapters {', '.join(adapters.names)}" if adapters else ""
+    print(f"Serving {name}{beside} on http://{host}:{port}/v1 (Ctrl-C or SIGTERM stops).",
           file=sys.stderr, flush=True)
     server.run()
   finally:

@@ -23,6 +23,7 @@ import numpy as np
 
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax.inference import decoding
+from transformer_jax.model import lora as lora_lib
 from transformer_jax.serving import batch_decoder
 
 
@@ -70,7 +71,8 @@ class SlotPool:
     def empty(params, prompts):
       # Zeros of a prefill's shapes: no row is read until a refill (a prefill of the pool's
       # rows at full length would cost a 135M-parameter model most of a minute on a CPU).
-      shapes = jax.eval_shape(lambda: runner.prefill(params, prompts, prompts.shape[0],
+      base = lora_lib.for_rows(params, jnp.zeros(prompts.shape[:1], jnp.int32))
+      shapes = jax.eval_shape(lambda: runner.prefill(base, prompts, prompts.shape[0],
                                                      max_new)[:2])
       cache, context = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
       state = decoding.start_rows(cache, rows=prompts.shape[0], max_decode_len=max_new)
@@ -79,8 +81,8 @@ class SlotPool:
     def refill(params, carried, new):
       state, context, forced_firsts = carried
       inputs, forced_first, row_starts = family.split_prompt(new["prompts"])
-      cache, context, starts = runner.refill(params, state[5], context, new["row_ids"],
-                                             inputs)
+      cache, context, starts = runner.refill(lora_lib.for_rows(params, new["adapter"]),
+                                             state[5], context, new["row_ids"], inputs)
       starts = starts if row_starts is None else row_starts
       forced_firsts = forced_firsts.at[new["row_ids"]].set(
           0 if forced_first is None else forced_first, mode="drop")
@@ -96,7 +98,8 @@ class SlotPool:
       forced = jnp.zeros((forced_firsts.shape[0], max_new), jnp.int32).at[:, 0].set(
           forced_firsts)  # a many-direction workdir's target code, first
       state = decoding.sample_steps(
-          state, runner.step_logits(params, context), keys, steps=steps,
+          state, runner.step_logits(lora_lib.for_rows(params, rows["adapter"]), context), keys,
+          steps=steps,
           eos_id=tokenizer_lib.EOS_ID, end_ids=end_ids, temperature=rows["temperature"],
           top_k=rows["top_k"], top_p=rows["top_p"], row_limits=rows["max_tokens"],
           logits_processor=processor, forced=forced)
@@ -115,7 +118,7 @@ class SlotPool:
     return self.rows - self.free()
 
   def _params(self):
-    return self.decoder.predictor.device_params
+    return self.decoder.params
 
   def _start(self):
     """The pool's state: every slot free (zeros, marked finished)."""
@@ -162,12 +165,14 @@ class SlotPool:
   def _new_rows(self, batch: list[list[tuple[int, batch_decoder.Row]]], k: int,
                 length: int) -> dict:
     ids = np.full((self.parts, k), self.rows_per_part, np.int32)  # past the rows: dropped
+    adapters = np.zeros((self.parts, k), np.int32)
     prompts = np.zeros((self.parts, k, length), np.int32)
     for part, entries in enumerate(batch):
       for i, (slot, row) in enumerate(entries):
-        ids[part, i] = slot
+        ids[part, i], adapters[part, i] = slot, row.adapter
         prompts[part, i, :len(row.prompt)] = row.prompt
     return self.layout.eval_batch({"row_ids": ids.reshape(-1),
+                                   "adapter": adapters.reshape(-1),
                                    "prompts": prompts.reshape(self.parts * k, length)})
 
   def advance(self) -> list[tuple[Any, batch_decoder.Output]]:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.inference import generate
+from transformer_jax.model import lora as lora_lib
 from transformer_jax.serving import batch_decoder
 
 TOP = 5  # OpenAI's (and vLLM's default) limit on alternatives per position
@@ -43,10 +44,12 @@ class TokenScorer:
     self.longest = decoder.predictor.config.model.max_len
     self._score = self.layout.compile_decode(self._scores)
 
-  def _scores(self, params, sources, tokens, prompt_lengths):
+  def _scores(self, params, sources, tokens, prompt_lengths, adapters):
     """[rows, len] log-probabilities of `tokens` (NaN where none), [rows, len, TOP] ids and
-    log-probabilities of the alternatives."""
+    log-probabilities of the alternatives; each row with its named adapter `adapters` [rows]
+    (0: none)."""
     family = self.family
+    params = lora_lib.for_rows(params, adapters)
     if family.continues_prompt:
       prefix = jnp.arange(tokens.shape[1])[None, :] < prompt_lengths[:, None]  # a prefix LM's
       logits = family.model.apply({"params": params}, tokens, None, None, prefix,
@@ -61,17 +64,20 @@ class TokenScorer:
     top_logprobs, top_ids = jax.lax.top_k(jnp.nan_to_num(logprobs, nan=-jnp.inf), TOP)
     return chosen, top_ids, top_logprobs
 
-  def score(self, prompts: Sequence[np.ndarray], outputs: Sequence[Sequence[int]]
-            ) -> list[Scores]:
+  def score(self, prompts: Sequence[np.ndarray], outputs: Sequence[Sequence[int]],
+            adapters: Sequence[int] | None = None) -> list[Scores]:
     """Each (prompt, output ids) pair's scores: a decoder-only model's over prompt + output,
-    an encoder-decoder's over the output."""
+    an encoder-decoder's over the output; with the named adapter of each pair in `adapters`
+    (batch_decoder.Row.adapter; default: none)."""
     results = []
     batch = self.decoder.max_batch_size
+    adapters = list(adapters or [0] * len(prompts))
     for start in range(0, len(prompts), batch):
-      results += self._batch(prompts[start:start + batch], outputs[start:start + batch])
+      part = slice(start, start + batch)
+      results += self._batch(prompts[part], outputs[part], adapters[part])
     return results
 
-  def _batch(self, prompts, outputs) -> list[Scores]:
+  def _batch(self, prompts, outputs, adapters) -> list[Scores]:
     continues = self.family.continues_prompt
     texts = [np.concatenate([p, np.asarray(o, np.int32)]) if continues
              else np.asarray(o, np.int32) for p, o in zip(prompts, outputs)]
@@ -82,13 +88,15 @@ class TokenScorer:
     tokens = np.zeros((count, width), np.int32)
     sources = np.zeros((count, source_width), np.int32)
     lengths = np.zeros((count,), np.int32)
+    adapter_ids = np.zeros((count,), np.int32)
+    adapter_ids[:len(adapters)] = adapters
     for i, (prompt, text) in enumerate(zip(prompts, texts)):
       tokens[i, :len(text)] = text
       sources[i, :len(prompt)] = prompt
       lengths[i] = len(prompt)
     eval_batch = self.layout.eval_batch
     chosen, top_ids, top_logprobs = self.layout.host_rows(self._score(
-        self.decoder.predictor.device_params, eval_batch(sources), eval_batch(tokens),
-        eval_batch(lengths)))
+        self.decoder.params, eval_batch(sources), eval_batch(tokens), eval_batch(lengths),
+        eval_batch(adapter_ids)))
     return [Scores(chosen[i, :len(t)], top_ids[i, :len(t)], top_logprobs[i, :len(t)])
             for i, t in enumerate(texts)]
