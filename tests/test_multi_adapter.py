@@ -71,6 +71,7 @@ def test_interleaved_adapters_answer_as_each_merged(llama_with_adapters):
   models = [card.id for card in server.client.models.list().data]
   assert models == [server.name, "one", "two"]
   status, listed = server.get("/v1/models")
+  assert status == 200
   assert [(m.get("parent"), m.get("root")) for m in listed["data"]] == [
       (None, None), (server.name, named["one"]), (server.name, named["two"])]
   expected = {None: predict.Predictor.from_pretrained(folder, _pretrained_config())}
@@ -157,8 +158,13 @@ def test_encoder_decoder_rows_of_each_adapter_in_one_pool(tmp_path):
   merged = [base] + [predict.Predictor.from_pretrained(folder, config, adapter=path)
                      for path in named.values()]
   batch = decoder.decode(rows[:2])
+  alone_decoders = [batch_decoder.BatchDecoder(p, 1) for p in merged]
+  changed = 0
   for i, row in enumerate(rows):
-    alone = batch_decoder.BatchDecoder(merged[row.adapter], 1).decode([row])[0].ids
+    alone = alone_decoders[row.adapter].decode([row])[0].ids
     np.testing.assert_array_equal(outputs[i].ids, alone)
     if i < 2:
       np.testing.assert_array_equal(batch[i].ids, alone)
+    base_alone = alone_decoders[0].decode([row])[0].ids
+    changed += row.adapter > 0 and not np.array_equal(alone, base_alone)
+  assert changed  # the adapters change outputs: the rows above did read theirs
