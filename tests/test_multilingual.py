@@ -42,6 +42,8 @@ from transformer_jax.model import models
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
 from transformer_jax.pretrained import run_files
 from transformer_jax.pretrained import tokenizer as tokenizer_lib
+from transformer_jax.serving import batch_decoder
+from transformer_jax.serving import slot_pool
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -392,6 +394,7 @@ def test_a_mixed_batch_decodes_each_row_as_alone(built, texts, kind):
       ended = _ended(kind, tok.encode(example["source"]), predictor.config.max_source_length)
       np.testing.assert_array_equal(prompt, np.append(ended, tok.code_id(example["target_lang"])))
   mixed = predictor.output_ids(prompts)
+  _check_served_rows(predictor, prompts, mixed)
   for example, prompt, ids in zip(examples, prompts, mixed):
     np.testing.assert_array_equal(ids, predictor.output_ids([prompt])[0])
     # ... and as transformers' generate for that row's own direction.
@@ -413,6 +416,26 @@ def test_a_mixed_batch_decodes_each_row_as_alone(built, texts, kind):
         labels=torch.tensor(np.where(targets != 0, vocab.hf(targets), -100))).logits.numpy()
   valid = targets != 0
   np.testing.assert_allclose(ours[valid], reference[..., vocab.to_hf][valid], atol=1e-4, rtol=0)
+
+
+def _check_served_rows(predictor, prompts, expected):
+  """The server's decodes of mixed-direction rows (a static batch of all; a two-slot pool
+  they enter as others finish) give each row the ids one-call decoding gives: its own
+  target code first (or its decoder started from it)."""
+  decoder = batch_decoder.BatchDecoder(predictor, len(prompts))
+  rows = [batch_decoder.Row(p, NEW_TOKENS) for p in prompts]
+  pool_decoder = batch_decoder.BatchDecoder(predictor, 2)
+  pool, waiting, pooled = slot_pool.SlotPool(pool_decoder), list(range(len(rows))), {}
+  while waiting or pool.live():
+    entering, waiting = waiting[:pool.free()], waiting[pool.free():]
+    if entering:
+      pool.admit([rows[i] for i in entering], entering)
+    pooled.update(pool.advance())
+  for i, (output, ids) in enumerate(zip(decoder.decode(rows), expected)):
+    ids = np.asarray(ids)
+    ids = ids[:np.flatnonzero(ids == 1)[0] + 1] if (ids == 1).any() else ids  # through EOS
+    np.testing.assert_array_equal(output.ids, ids)
+    np.testing.assert_array_equal(pooled[i].ids, ids)
 
 
 def test_the_files_a_run_keeps_and_exports_keep_the_language_codes(built, texts, tmp_path):

@@ -3,6 +3,7 @@ tokens gives `decoding.sample`'s outputs from one compiled call, hands streaming
 tokens while it decodes; TextStream's pieces add up to the non-streamed text."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -34,15 +35,23 @@ def _rows(predictor):
 
 def _one_call(decoder, rows):
   """The rows decoded as the server decoded them before streaming: prefill and the whole
-  `decoding.sample` loop in one compiled call."""
+  `decoding.sample` loop in one compiled call. A forced EOS (BART's forced_eos_token_id) falls
+  on each row's own last position, as `--mode predict` with max_decode_len = the row's
+  max_tokens forces it."""
   d, family, length = decoder.predictor.config.decoding, decoder.family, decoder.max_new_tokens
   processor = decoding.make_logits_processor(
       eos_id=tokenizer_lib.EOS_ID, end_ids=tuple(d.end_ids), min_length=d.min_length,
       banned_ids=tuple(d.banned_ids), repetition_penalty=d.repetition_penalty,
-      no_repeat_ngram_size=d.no_repeat_ngram_size, forced_bos_id=d.forced_bos_id,
-      forced_eos=d.forced_eos)
+      no_repeat_ngram_size=d.no_repeat_ngram_size, forced_bos_id=d.forced_bos_id)
 
   def decode(params, prompts, settings):
+    if d.forced_eos:
+      eos = jnp.arange(family.model_config.vocab_size) == tokenizer_lib.EOS_ID
+      last = lambda logits, step, sequences: jnp.where(
+          (step == settings["max_tokens"] - 1)[:, None], jnp.where(eos, 0.0, -1e10), logits)
+      row_processor = decoding.chain_processors(processor, last)
+    else:
+      row_processor = processor
     cache, tokens_to_logits, start_id = family.runner.start_decoding(params, prompts,
                                                               prompts.shape[0], length)
     keys = jax.vmap(lambda seed, prompt, choice: jax.random.fold_in(
@@ -53,7 +62,7 @@ def _one_call(decoder, rows):
         eos_id=tokenizer_lib.EOS_ID, end_ids=tuple(d.end_ids), max_decode_len=length,
         temperature=settings["temperature"], top_k=settings["top_k"], top_p=settings["top_p"],
         row_limits=settings["max_tokens"], return_token_logprobs=True,
-        logits_processor=processor)
+        logits_processor=row_processor)
 
   layout = decoder.layout
   width = generate.bucket_length(max(len(r.prompt) for r in rows), decoder.max_source_length)

@@ -102,37 +102,36 @@ class BatchDecoder:
   def _segment_functions(self, decoding_config) -> tuple[Callable, Callable]:
     """The two compiled halves of a batch's decode, segment by segment:
       start(params, prompts [rows, len], per-row settings) -> carried state (the prompts read,
-        the KV cache filled, nothing generated);
-      advance(params, carried, settings) -> (carried, progress): up to stream_steps more tokens
-        per row (decoding.sample_steps: `decoding.sample`'s own loop body), and the outputs so
-        far, `progress` = {step, finished, ids, logprobs} per row.
+        the KV cache filled, nothing generated), as `split_prompt` and the runner's prefill
+        read prompts in one-call decoding (a many-direction workdir's per-row target code);
+      advance(params, carried, settings) -> (carried, progress): `advance_rows`.
     """
-    family, length, steps = self.family, self.max_new_tokens, self.stream_steps
-    end_ids = tuple(decoding_config.end_ids)
-    processor = logits_processor(decoding_config)
+    family, length = self.family, self.max_new_tokens
+    advance = segment_function(family.runner, length, self.stream_steps, decoding_config)
 
     def start(params, prompts, rows):
+      inputs, forced_first, row_starts = family.split_prompt(prompts)
       cache, context, start_id = family.runner.prefill(
-          lora_lib.for_rows(params, rows["adapter"]), prompts, prompts.shape[0], length)
-      state = decoding.start_sampling(cache, batch_size=prompts.shape[0], bos_id=start_id,
-                                      max_decode_len=length)
-      return state, context
-
-    def advance(params, carried, rows):
-      state, context = carried
-      keys = row_keys(rows)
-      state = decoding.sample_steps(
-          state, family.runner.step_logits(lora_lib.for_rows(params, rows["adapter"]),
-                                           context), keys, steps=steps,
-          eos_id=tokenizer_lib.EOS_ID, end_ids=end_ids, temperature=rows["temperature"],
-          top_k=rows["top_k"], top_p=rows["top_p"], row_limits=rows["max_tokens"],
-          logits_processor=processor)
-      step, finished, ids, _, logprobs = decoding.sampling_progress(state)
-      progress = {"step": jnp.broadcast_to(step, finished.shape), "finished": finished,
-                  "ids": ids, "logprobs": logprobs}
-      return (state, context), progress
+          lora_lib.for_rows(params, rows["adapter"]), inputs, inputs.shape[0], length)
+      state = decoding.start_sampling(
+          cache, batch_size=prompts.shape[0], max_decode_len=length,
+          bos_id=start_id if row_starts is None else row_starts)
+      firsts = jnp.zeros(prompts.shape[:1], jnp.int32) if forced_first is None else forced_first
+      return state, context, firsts
 
     return start, advance
+
+  def limits(self, rows: Sequence[Row]) -> list[int]:
+    """Each row's max_tokens, within what decoding.max_total_len leaves after its prompt."""
+    prompts = np.zeros((len(rows), max(len(r.prompt) for r in rows)), np.int32)
+    for i, row in enumerate(rows):
+      prompts[i, :len(row.prompt)] = row.prompt
+    limits = self.family.output_limits(prompts, self.predictor.config.decoding)
+    if limits is None:
+      return [row.max_tokens for row in rows]
+    # A prompt that leaves no room still decodes one token, as one-call decoding does.
+    return [max(1, min(row.max_tokens, int(limit)))
+            for row, limit in zip(rows, np.asarray(limits))]
 
   def prompt_bucket(self, length: int) -> int:
     """The padded length of a batch whose longest prompt has `length` tokens."""
@@ -172,7 +171,10 @@ class BatchDecoder:
       by_class = np.zeros(scores.shape, np.float32)
       np.put_along_axis(by_class, ids[:, :, 0], scores, axis=1)
       return [Output(np.zeros((0,), np.int32), by_class[i]) for i in range(len(rows))]
-    row_settings = layout.eval_batch(settings(rows, count))
+    limits = self.limits(rows)
+    row_settings = layout.eval_batch(settings(
+        [dataclasses.replace(row, max_tokens=limit) for row, limit in zip(rows, limits)],
+        count))
     params = self.params
     carried = self._start(params, layout.eval_batch(prompts), row_settings)
     told = [0] * len(rows)  # tokens each row's on_tokens has been given
@@ -183,17 +185,47 @@ class BatchDecoder:
       carried, following = self._advance(params, carried, row_settings)
       progress = layout.host_rows(progress)
       for i, row in enumerate(rows):
-        ids, logprobs = so_far(progress, i, row.max_tokens)
+        ids, logprobs = so_far(progress, i, limits[i])
         if row.on_tokens is not None and len(ids) > told[i]:
           told[i] = len(ids)
           tell(row, ids, logprobs)
-      # Every row stops at its max_tokens (<= max_new_tokens), so the second test is a guard.
+      # Every row stops at its limit (<= max_new_tokens), so the second test is a guard.
       if progress["finished"][:len(rows)].all() or progress["step"].min() >= (
           self.max_new_tokens):
         break
       progress = following
-    return [Output(progress["ids"][i, :row.max_tokens], progress["logprobs"][i, :row.max_tokens])
-            for i, row in enumerate(rows)]
+    return [Output(progress["ids"][i, :limit], progress["logprobs"][i, :limit])
+            for i, limit in enumerate(limits)]
+
+
+def segment_function(runner, max_new: int, steps: int, decoding_config) -> Callable:
+  """advance(params, carried, settings) -> (carried, progress): up to `steps` more tokens for
+  every row (decoding.sample_steps: `decoding.sample`'s own loop body) of `carried` = (sampling
+  state, runner context, [rows] first tokens to force, 0: none), each row with its own
+  settings and named adapter; `progress` = {step, finished, ids, logprobs} per row so far."""
+  end_ids = tuple(decoding_config.end_ids)
+  forced_eos = decoding_config.forced_eos
+  processor = logits_processor(decoding_config)
+
+  def advance(params, carried, rows):
+    state, context, forced_firsts = carried
+    forced = jnp.zeros((forced_firsts.shape[0], max_new), jnp.int32)
+    if forced_eos:  # Hugging Face's forced_eos_token_id: EOS at the row's last position
+      forced = forced.at[jnp.arange(forced.shape[0]), rows["max_tokens"] - 1].set(
+          tokenizer_lib.EOS_ID, mode="drop")
+    # A many-direction workdir's target code, first.
+    forced = forced.at[:, 0].set(jnp.where(forced_firsts != 0, forced_firsts, forced[:, 0]))
+    state = decoding.sample_steps(
+        state, runner.step_logits(lora_lib.for_rows(params, rows["adapter"]), context),
+        row_keys(rows), steps=steps, eos_id=tokenizer_lib.EOS_ID, end_ids=end_ids,
+        temperature=rows["temperature"], top_k=rows["top_k"], top_p=rows["top_p"],
+        row_limits=rows["max_tokens"], logits_processor=processor, forced=forced)
+    step, finished, ids, _, logprobs = decoding.sampling_progress(state)
+    return (state, context, forced_firsts), {
+        "step": jnp.broadcast_to(step, finished.shape), "finished": finished, "ids": ids,
+        "logprobs": logprobs}
+
+  return advance
 
 
 def so_far(progress: dict[str, np.ndarray], i: int, max_tokens: int
@@ -248,13 +280,13 @@ def each_shape(every: list[tuple[int, int]], shapes: Sequence[tuple[int, int]] |
 
 def logits_processor(decoding_config):
   """The checkpoint's logits processors (banned ids, min length, ...): they apply to every
-  request, as they do in --mode predict."""
+  request, as they do in --mode predict; all but the forced EOS, which `segment_function`
+  forces at each row's own last position."""
   d = decoding_config
   return decoding.make_logits_processor(
       eos_id=tokenizer_lib.EOS_ID, end_ids=tuple(d.end_ids), min_length=d.min_length,
       banned_ids=tuple(d.banned_ids), repetition_penalty=d.repetition_penalty,
-      no_repeat_ngram_size=d.no_repeat_ngram_size, forced_bos_id=d.forced_bos_id,
-      forced_eos=d.forced_eos)
+      no_repeat_ngram_size=d.no_repeat_ngram_size, forced_bos_id=d.forced_bos_id)
 
 
 def row_keys(rows: dict) -> jax.Array:

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax.inference import decoding
 from transformer_jax.model import lora as lora_lib
 from transformer_jax.serving import batch_decoder
@@ -64,9 +63,9 @@ class SlotPool:
     free slots; refill(params, carried, new rows) -> carried; advance(params, carried,
     settings) -> (carried, progress), as BatchDecoder's segments."""
     family, runner = self.family, self.family.runner
-    max_new, steps = self.decoder.max_new_tokens, self.decoder.stream_steps
-    end_ids = tuple(decoding_config.end_ids)
-    processor = batch_decoder.logits_processor(decoding_config)
+    max_new = self.decoder.max_new_tokens
+    segment = batch_decoder.segment_function(runner, max_new, self.decoder.stream_steps,
+                                             decoding_config)
 
     def empty(params, prompts):
       # Zeros of a prefill's shapes: no row is read until a refill (a prefill of the pool's
@@ -93,19 +92,7 @@ class SlotPool:
         first = lambda tree: jax.tree.map(lambda x: x[:live], tree)
         part, progress = advance(params, first(carried), first(rows), live)
         return jax.tree.map(lambda x, y: x.at[:live].set(y), carried, part), progress
-      state, context, forced_firsts = carried
-      keys = batch_decoder.row_keys(rows)
-      forced = jnp.zeros((forced_firsts.shape[0], max_new), jnp.int32).at[:, 0].set(
-          forced_firsts)  # a many-direction workdir's target code, first
-      state = decoding.sample_steps(
-          state, runner.step_logits(lora_lib.for_rows(params, rows["adapter"]), context), keys,
-          steps=steps,
-          eos_id=tokenizer_lib.EOS_ID, end_ids=end_ids, temperature=rows["temperature"],
-          top_k=rows["top_k"], top_p=rows["top_p"], row_limits=rows["max_tokens"],
-          logits_processor=processor, forced=forced)
-      step, finished, ids, _, logprobs = decoding.sampling_progress(state)
-      return (state, context, forced_firsts), {"step": step, "finished": finished, "ids": ids,
-                                               "logprobs": logprobs}
+      return segment(params, carried, rows)
 
     return empty, refill, advance
 
@@ -133,7 +120,7 @@ class SlotPool:
     free = [i for i, slot in enumerate(self.slots) if slot is None]
     if len(rows) > len(free):
       raise ValueError(f"{len(rows)} rows cannot enter a pool with {len(free)} free slots.")
-    limits = self._limits(rows)
+    limits = self.decoder.limits(rows)
     by_part: list[list[tuple[int, batch_decoder.Row]]] = [[] for _ in range(self.parts)]
     for slot, row, handle, limit in zip(free, rows, handles, limits):
       self.slots[slot] = _Slot(row, handle, limit=limit)
@@ -149,18 +136,6 @@ class SlotPool:
       count = max(map(len, by_part))
       self._carried = self._refill(self._params(), self._carried,
                                    self._new_rows(batch, k, length))
-
-  def _limits(self, rows: Sequence[batch_decoder.Row]) -> list[int]:
-    """Each row's max_tokens, within what decoding.max_total_len leaves after its prompt."""
-    prompts = np.zeros((len(rows), max(len(r.prompt) for r in rows)), np.int32)
-    for i, row in enumerate(rows):
-      prompts[i, :len(row.prompt)] = row.prompt
-    limits = self.family.output_limits(prompts, self.decoder.predictor.config.decoding)
-    if limits is None:
-      return [row.max_tokens for row in rows]
-    # A prompt that leaves no room still decodes one token, as one-call decoding does.
-    return [max(1, min(row.max_tokens, int(limit)))
-            for row, limit in zip(rows, np.asarray(limits))]
 
   def _new_rows(self, batch: list[list[tuple[int, batch_decoder.Row]]], k: int,
                 length: int) -> dict:
