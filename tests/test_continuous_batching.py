@@ -64,6 +64,25 @@ def test_rows_entering_free_slots_decode_as_each_alone(decoder):
     assert len(ids) == row.max_tokens or ids[-1] == 1  # its own limit, or its EOS
 
 
+def test_rows_entering_together_are_read_packed(decoder):
+  """Eight rows entering an eight-slot pool at once: their prompts (3 to 12 tokens) are read
+  packed into fewer rows (prompt_packing.py), and each row's output is its one-call
+  decode's."""
+  pool = slot_pool.SlotPool(batch_decoder.BatchDecoder(decoder.predictor, 8, stream_steps=8))
+  rows = (_rows(decoder) + _rows(decoder))[:8]
+  for i, row in enumerate(rows):
+    row.max_tokens, row.prompt_index = min(row.max_tokens, 12), i
+  pool.admit(rows, list(range(8)))
+  packed = [rows for rows in pool.refills if rows]
+  assert len(packed) == 1 and packed[0] < 8  # read in fewer rows (a multiple of 2)
+  outputs = {}
+  while pool.live():
+    outputs.update(pool.advance())
+  for i, (ids, logprobs) in enumerate(_one_call(decoder, rows)):
+    np.testing.assert_array_equal(outputs[i].ids, ids)
+    np.testing.assert_allclose(outputs[i].logprobs, logprobs, atol=5e-5)
+
+
 def test_a_short_request_arriving_mid_decode_finishes_first(decoder):
   pool = slot_pool.SlotPool(decoder)
   engine = engine_lib.Engine(decoder, max_wait_ms=0, max_queue=8, pool=pool)

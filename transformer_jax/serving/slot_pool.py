@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.inference import decoding
+from transformer_jax.inference import prompt_packing
 from transformer_jax.model import lora as lora_lib
 from transformer_jax.serving import batch_decoder
 
@@ -50,7 +51,11 @@ class SlotPool:
     self.source_length = decoder.length_buckets[-1]
     empty, refill, advance = self._functions(decoder.predictor.config.decoding)
     self._empty = self.layout.compile_decode(empty)
-    self._refill = self.layout.compile_decode_steps(refill)
+    # New rows are read packed where enough enter at once (prompt_packing.place), as one-call
+    # decoding reads them; not with named adapters, whose rows must not share a packed row.
+    self.packs = self.family.packs_prompts and decoder.adapters is None
+    self._refill_function = refill
+    self.refills: dict[int, Callable] = {}  # packed rows (0: none) -> the compiled refill
     # A segment runs the slots up to the last live one (rounded up to a k bucket) per part:
     # one compiled segment per bucket, so that a lone request does not pay for every slot.
     self._advance = {k: self.layout.compile_decode_steps(functools.partial(advance, live=k))
@@ -60,8 +65,9 @@ class SlotPool:
 
   def _functions(self, decoding_config) -> tuple[Callable, Callable, Callable]:
     """The compiled pieces, each on one part's rows: empty(params, dummy prompts) -> a pool of
-    free slots; refill(params, carried, new rows) -> carried; advance(params, carried,
-    settings) -> (carried, progress), as BatchDecoder's segments."""
+    free slots; refill(params, carried, new rows, packed rows) -> carried (new rows' prompts
+    read packed into that many rows, 0: unpacked); advance(params, carried, settings) ->
+    (carried, progress), as BatchDecoder's segments."""
     family, runner = self.family, self.family.runner
     max_new = self.decoder.max_new_tokens
     segment = batch_decoder.segment_function(runner, max_new, self.decoder.stream_steps,
@@ -77,11 +83,12 @@ class SlotPool:
       state = decoding.start_rows(cache, rows=prompts.shape[0], max_decode_len=max_new)
       return state, context, jnp.zeros((prompts.shape[0],), jnp.int32)
 
-    def refill(params, carried, new):
+    def refill(params, carried, new, packed_rows):
       state, context, forced_firsts = carried
       inputs, forced_first, row_starts = family.split_prompt(new["prompts"])
+      packing = (new["places"], packed_rows) if packed_rows else None
       cache, context, starts = runner.refill(lora_lib.for_rows(params, new["adapter"]),
-                                             state[5], context, new["row_ids"], inputs)
+                                             state[5], context, new["row_ids"], inputs, packing)
       starts = starts if row_starts is None else row_starts
       forced_firsts = forced_firsts.at[new["row_ids"]].set(
           0 if forced_first is None else forced_first, mode="drop")
@@ -134,11 +141,18 @@ class SlotPool:
       batch = [part[:k] for part in by_part]
       by_part = [part[k:] for part in by_part]
       count = max(map(len, by_part))
-      self._carried = self._refill(self._params(), self._carried,
-                                   self._new_rows(batch, k, length))
+      self._carried = self._refill(self._carried, *self._new_rows(batch, k, length))
+
+  def _refill(self, carried, new: dict, packed_rows: int):
+    if packed_rows not in self.refills:
+      self.refills[packed_rows] = self.layout.compile_decode_steps(
+          functools.partial(self._refill_function, packed_rows=packed_rows))
+    return self.refills[packed_rows](self._params(), carried, new)
 
   def _new_rows(self, batch: list[list[tuple[int, batch_decoder.Row]]], k: int,
-                length: int) -> dict:
+                length: int) -> tuple[dict, int]:
+    """The refill's inputs for `batch` (k entries per part, of prompts up to `length`
+    tokens), and the packed rows they are read in (0: unpacked)."""
     ids = np.full((self.parts, k), self.rows_per_part, np.int32)  # past the rows: dropped
     adapters = np.zeros((self.parts, k), np.int32)
     prompts = np.zeros((self.parts, k, length), np.int32)
@@ -146,9 +160,15 @@ class SlotPool:
       for i, (slot, row) in enumerate(entries):
         ids[part, i], adapters[part, i] = slot, row.adapter
         prompts[part, i, :len(row.prompt)] = row.prompt
-    return self.layout.eval_batch({"row_ids": ids.reshape(-1),
-                                   "adapter": adapters.reshape(-1),
-                                   "prompts": prompts.reshape(self.parts * k, length)})
+    new = {"row_ids": ids.reshape(-1), "adapter": adapters.reshape(-1),
+           "prompts": prompts.reshape(self.parts * k, length)}
+    packed_rows = 0
+    if self.packs:
+      places, packed_rows = prompt_packing.place(
+          np.count_nonzero(new["prompts"], axis=1), self.parts, length)
+      if places is not None:
+        new["places"] = places
+    return self.layout.eval_batch(new), packed_rows
 
   def advance(self) -> list[tuple[Any, batch_decoder.Output]]:
     """One segment of every live row; streaming rows get their tokens so far. Returns the
@@ -203,7 +223,8 @@ class SlotPool:
       length, k = shape
       batch = [[(i, batch_decoder.Row(np.full((length,), 3, np.int32))) for i in range(k)]
                for _ in range(self.parts)]
-      scratch[0] = self._refill(self._params(), scratch[0], self._new_rows(batch, k, length))
+      new, _ = self._new_rows(batch, k, length)
+      scratch[0] = self._refill(scratch[0], new, 0)  # rows in bursts compile packed on use
       if length == every[0][0]:  # each segment size once, beside the smallest prompts
         scratch[0], _ = self._advance[k](self._params(), scratch[0], self.layout.eval_batch(
             batch_decoder.settings([], self.rows)))
