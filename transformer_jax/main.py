@@ -210,8 +210,8 @@ def _pretrained_predictor():
   merged, named = _adapters()
   if named:
     raise ValueError(f"--adapter {next(iter(named))}=DIR names an adapter for --mode serve "
-                         "(several side by side); --mode predict and evaluate take one, "
-                         "merged: --adapter DIR.")
+                     "(several side by side); --mode predict and evaluate take one, merged: "
+                     "--adapter DIR.")
   return predict.Predictor.from_pretrained(flags.FLAGS.pretrained, flags.FLAGS.config,
                                            given_keys=given, adapter=merged)
 

@@ -104,7 +104,7 @@ class BatchDecoder:
       start(params, prompts [rows, len], per-row settings) -> carried state (the prompts read,
         the KV cache filled, nothing generated), as `split_prompt` and the runner's prefill
         read prompts in one-call decoding (a many-direction workdir's per-row target code);
-      advance(params, carried, settings) -> (carried, progress): `advance_rows`.
+      advance(params, carried, settings) -> (carried, progress): `segment_function`'s.
     """
     family, length = self.family, self.max_new_tokens
     advance = segment_function(family.runner, length, self.stream_steps, decoding_config)
