@@ -65,16 +65,17 @@ def test_rows_entering_free_slots_decode_as_each_alone(decoder):
 
 
 def test_rows_entering_together_are_read_packed(decoder):
-  """Eight rows entering an eight-slot pool at once: their prompts (3 to 12 tokens) are read
-  packed into fewer rows (prompt_packing.py), and each row's output is its one-call
-  decode's."""
+  """Eight rows entering an eight-slot pool at once, once warm-up has compiled the packed
+  refill: their prompts (3 to 12 tokens) are read packed into six rows
+  (prompt_packing.py), and each row's output is its one-call decode's."""
   pool = slot_pool.SlotPool(batch_decoder.BatchDecoder(decoder.predictor, 8, stream_steps=8))
   rows = (_rows(decoder) + _rows(decoder))[:8]
   for i, row in enumerate(rows):
     row.max_tokens, row.prompt_index = min(row.max_tokens, 12), i
+  assert (16, 8, 6) in pool.shapes()
+  assert pool.warm_up(shapes=[(16, 8, 6)])
   pool.admit(rows, list(range(8)))
-  packed = [rows for rows in pool.refills if rows]
-  assert len(packed) == 1 and packed[0] < 8  # read in fewer rows (a multiple of 2)
+  assert pool.packed_refills == 1
   outputs = {}
   while pool.live():
     outputs.update(pool.advance())

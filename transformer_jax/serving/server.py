@@ -116,9 +116,11 @@ def run_serve(predictor: predict.Predictor, name: str, host: str = "127.0.0.1",
   start = time.perf_counter()
   what = "new rows" if pool else "batch shape"
 
-  def progress(done: int, total: int, shape: tuple[int, int]) -> None:
+  def progress(done: int, total: int, shape: tuple[int, ...]) -> None:
+    packed = f", packed into {shape[2]}" if len(shape) > 2 and shape[2] else ""
     print(f"Compiling {what} {done + 1}/{total}: {shape[1]} rows of {shape[0]} prompt "
-          f"tokens ({time.perf_counter() - start:.0f} s so far).", file=sys.stderr, flush=True)
+          f"tokens{packed} ({time.perf_counter() - start:.0f} s so far).", file=sys.stderr,
+          flush=True)
 
   compiled.warm_up(progress, shapes[:1])  # the smallest: answering starts once it is ready
 

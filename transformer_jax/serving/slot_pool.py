@@ -51,11 +51,15 @@ class SlotPool:
     self.source_length = decoder.length_buckets[-1]
     empty, refill, advance = self._functions(decoder.predictor.config.decoding)
     self._empty = self.layout.compile_decode(empty)
-    # New rows are read packed where enough enter at once (prompt_packing.place), as one-call
-    # decoding reads them; not with named adapters, whose rows must not share a packed row.
+    # New rows are read packed where a burst fills the largest bucket and their prompts fit
+    # in fewer rows (prompt_packing.place), as one-call decoding reads them; not with named
+    # adapters, whose rows must not share a packed row. A packed refill is used once
+    # `warm_up` (in the background) has compiled it: packing never makes a request wait.
     self.packs = self.family.packs_prompts and decoder.adapters is None
     self._refill_function = refill
     self.refills: dict[int, Callable] = {}  # packed rows (0: none) -> the compiled refill
+    self.compiled: set[tuple[int, int, int]] = set()  # (length, k, packed rows) refilled
+    self.packed_refills = 0  # refills of the live pool that read their rows packed
     # A segment runs the slots up to the last live one (rounded up to a k bucket) per part:
     # one compiled segment per bucket, so that a lone request does not pay for every slot.
     self._advance = {k: self.layout.compile_decode_steps(functools.partial(advance, live=k))
@@ -141,18 +145,33 @@ class SlotPool:
       batch = [part[:k] for part in by_part]
       by_part = [part[k:] for part in by_part]
       count = max(map(len, by_part))
-      self._carried = self._refill(self._carried, *self._new_rows(batch, k, length))
+      pack = (length, k, self.packed_rows(k)) in self.compiled
+      new, packed_rows = self._new_rows(batch, k, length, pack)
+      self._carried = self._refill(self._carried, new, (length, k, packed_rows))
+      self.packed_refills += bool(packed_rows)
 
-  def _refill(self, carried, new: dict, packed_rows: int):
+  def packed_rows(self, k: int) -> int:
+    """The rows a packed refill of k new rows per part reads them in (0: never packed): a
+    burst that fills the pool's largest bucket, in three quarters of its rows (one more
+    compiled refill per prompt length; prompt_packing.place packs in quarters)."""
+    full = k == self.k_buckets[-1] and k >= prompt_packing.MIN_ROWS
+    return 3 * (k // 4) if self.packs and full else 0
+
+  def _refill(self, carried, new: dict, shape: tuple[int, int, int]):
+    """`carried` with `new` read in: shape (prompt length, k, packed rows) (`shapes`)."""
+    packed_rows = shape[2]
     if packed_rows not in self.refills:
       self.refills[packed_rows] = self.layout.compile_decode_steps(
           functools.partial(self._refill_function, packed_rows=packed_rows))
-    return self.refills[packed_rows](self._params(), carried, new)
+    carried = self.refills[packed_rows](self._params(), carried, new)
+    self.compiled.add(shape)
+    return carried
 
   def _new_rows(self, batch: list[list[tuple[int, batch_decoder.Row]]], k: int,
-                length: int) -> tuple[dict, int]:
+                length: int, pack: bool = False) -> tuple[dict, int]:
     """The refill's inputs for `batch` (k entries per part, of prompts up to `length`
-    tokens), and the packed rows they are read in (0: unpacked)."""
+    tokens), and the packed rows they are read in: with `pack`, `packed_rows(k)` where the
+    prompts fit in them, else 0 (unpacked)."""
     ids = np.full((self.parts, k), self.rows_per_part, np.int32)  # past the rows: dropped
     adapters = np.zeros((self.parts, k), np.int32)
     prompts = np.zeros((self.parts, k, length), np.int32)
@@ -163,11 +182,11 @@ class SlotPool:
     new = {"row_ids": ids.reshape(-1), "adapter": adapters.reshape(-1),
            "prompts": prompts.reshape(self.parts * k, length)}
     packed_rows = 0
-    if self.packs:
-      places, packed_rows = prompt_packing.place(
-          np.count_nonzero(new["prompts"], axis=1), self.parts, length)
-      if places is not None:
-        new["places"] = places
+    if pack:
+      places, needed = prompt_packing.place(np.count_nonzero(new["prompts"], axis=1),
+                                            self.parts, length)
+      if places is not None and needed <= self.packed_rows(k):
+        new["places"], packed_rows = places, self.packed_rows(k)
     return self.layout.eval_batch(new), packed_rows
 
   def advance(self) -> list[tuple[Any, batch_decoder.Output]]:
@@ -205,12 +224,16 @@ class SlotPool:
 
   # ---- Compiling ahead ---------------------------------------------------------------------
 
-  def shapes(self) -> list[tuple[int, int]]:
-    """Every (prompt length, new rows per part) bucket a refill can take."""
-    return [(length, k) for length in self.decoder.length_buckets for k in self.k_buckets]
+  def shapes(self) -> list[tuple[int, int, int]]:
+    """Every (prompt length, new rows per part, packed rows) bucket a refill can take: the
+    unpacked ones, then the packed ones."""
+    lengths = self.decoder.length_buckets
+    return ([(length, k, 0) for length in lengths for k in self.k_buckets] +
+            [(length, k, self.packed_rows(k)) for length in lengths for k in self.k_buckets
+             if self.packed_rows(k)])
 
-  def warm_up(self, progress: Callable[[int, int, tuple[int, int]], None] | None = None,
-              shapes: Sequence[tuple[int, int]] | None = None,
+  def warm_up(self, progress: Callable[[int, int, tuple], None] | None = None,
+              shapes: Sequence[tuple[int, int, int]] | None = None,
               stop: threading.Event | None = None) -> bool:
     """Compiles the refills of `shapes` (default: every one) and the pool's segment on a
     scratch pool (the live one is the engine thread's), telling `progress` (index, count,
@@ -220,12 +243,14 @@ class SlotPool:
     scratch = [self._start()]
 
     def compile_one(shape):
-      length, k = shape
+      length, k, packed_rows = shape
       batch = [[(i, batch_decoder.Row(np.full((length,), 3, np.int32))) for i in range(k)]
                for _ in range(self.parts)]
       new, _ = self._new_rows(batch, k, length)
-      scratch[0] = self._refill(scratch[0], new, 0)  # rows in bursts compile packed on use
-      if length == every[0][0]:  # each segment size once, beside the smallest prompts
+      if packed_rows:  # any places compile it (the scratch pool's rows are never read)
+        new["places"] = self.layout.eval_batch(np.zeros((self.parts * k, 2), np.int32))
+      scratch[0] = self._refill(scratch[0], new, shape)
+      if shape == (length, k, 0) and length == every[0][0]:  # each segment size once
         scratch[0], _ = self._advance[k](self._params(), scratch[0], self.layout.eval_batch(
             batch_decoder.settings([], self.rows)))
 
