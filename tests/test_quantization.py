@@ -174,6 +174,35 @@ def _qlora_config(folder, data_cache, steps, base_dtype="int8"):
   return config
 
 
+@pytest.mark.parametrize("base_dtype", ["int8", "int4"])
+def test_qlora_gradients_equal_plain_autodiff_through_the_quantized_base(folders, data_cache,
+                                                                         base_dtype):
+  """The quantized products dequantize their kernel again in the backward pass (so that no
+  float copy lives from the forward pass to it): the adapters' and the inputs' gradients are
+  those of plain autodiff through qwix's own products."""
+  import qwix  # pylint: disable=import-outside-toplevel
+  family = families.get(_qlora_config(folders("llama"), data_cache, 1, base_dtype))
+  params = family.init_params(jax.random.PRNGKey(0))
+  adapters, base = lora_lib.split(params)
+  adapters = jax.tree.map(lambda x: x + 0.1, adapters)  # b != 0: every path carries gradient
+  boxed = jax.eval_shape(lambda: family.init_params(jax.random.PRNGKey(0), boxed=True,
+                                                    quantized=True))
+  frozen = quantization.quantize_params(base, lora_lib.split(boxed)[1])
+  plain = qwix.quantize_model(family._make_model(), qwix.PtqProvider(  # pylint: disable=protected-access
+      quantization.rules(family.quantization)), methods=["__call__"])
+  tokens = np.random.default_rng(0).integers(3, 50, (2, 7)).astype(np.int32)
+
+  def loss(model):
+    return lambda trained: model.apply({"params": lora_lib.combine(trained, frozen)}, tokens,
+                                       deterministic=True).astype(np.float32).std()
+
+  ours, theirs = (jax.jit(jax.grad(loss(m)))(adapters) for m in (family.model, plain))
+  flat_ours, flat_theirs = jax.tree.leaves(ours), jax.tree.leaves(theirs)
+  assert len(flat_ours) == len(flat_theirs) >= 8 and all(np.abs(g).max() > 0 for g in flat_ours)
+  for a, b in zip(flat_ours, flat_theirs):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def qlora_run(folders, tmp_path_factory, data_cache):
   """Llama with adapters on every projection over an int8 base: 6 steps, resumed to 12."""

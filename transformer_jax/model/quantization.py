@@ -19,6 +19,7 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 WEIGHT_TYPES = ("none", "int8", "int4")
 _QTYPES = {"int8": jnp.int8, "int4": jnp.int4}
@@ -87,8 +88,52 @@ def quantized(model: nn.Module, s: QuantizationSpec | None) -> nn.Module:
   if s is None:
     return model
   import qwix  # pylint: disable=import-outside-toplevel
+  # qwix's own products, given to its provider through its hooks for them.
+  from qwix._src.core import dot_general, einsum, qarray  # pylint: disable=import-outside-toplevel
   methods = [name for name in _METHODS if hasattr(model, name)]
-  return qwix.quantize_model(model, qwix.PtqProvider(rules(s)), methods=methods)
+  product = _dequantized_again_in_backward(dot_general.dot_general, qarray.QArray)
+  provider = qwix.PtqProvider(
+      rules(s), _dot_general_fn=product,
+      _einsum_fn=lambda *args, **kwargs: einsum.einsum(*args, _qwix_dot_general=product,
+                                                       **kwargs))
+  return qwix.quantize_model(model, provider, methods=methods)
+
+
+def _dequantized_again_in_backward(qwix_dot_general, quantized_type):
+  """qwix's dot_general, whose gradient (through its float input: LoRA over a quantized base
+  trains through the base's products) dequantizes the quantized kernel again instead of
+  keeping the forward pass's float copy. Otherwise every layer's float kernels stay alive
+  from the forward pass to the backward (benchmarks/RESULTS.md, QLoRA): the memory a
+  quantized base was to save."""
+
+  def product(lhs, rhs, dimension_numbers, *args, **kwargs):
+    if not isinstance(rhs, quantized_type) or not jnp.issubdtype(lhs.dtype, jnp.inexact):
+      return qwix_dot_general(lhs, rhs, dimension_numbers, *args, **kwargs)
+    apply = lambda x, kernel: qwix_dot_general(x, kernel, dimension_numbers, *args, **kwargs)
+
+    @jax.custom_vjp
+    def run(x, kernel):
+      return apply(x, kernel)
+
+    def forward(x, kernel):
+      return apply(x, kernel), kernel  # the quantized kernel alone is kept
+
+    def backward(kernel, grad):
+      # Scales that depend on `grad` (times zero: the same values) keep XLA from merging this
+      # dequantization with the forward pass's (an optimization barrier does not, on XLA:CPU).
+      after_grad = jnp.zeros((), kernel.scale.dtype) * grad.reshape(-1)[0].astype(
+          kernel.scale.dtype)
+      kernel = dataclasses.replace(kernel, scale=kernel.scale + after_grad)
+      _, transpose = jax.vjp(lambda x: apply(x, kernel), jnp.zeros(lhs.shape, lhs.dtype))
+      no_grad = jax.tree.map(lambda v: np.zeros(v.shape, jax.dtypes.float0)
+                             if not jnp.issubdtype(v.dtype, jnp.inexact)
+                             else jnp.zeros_like(v), kernel)
+      return transpose(grad)[0], no_grad
+
+    run.defvjp(forward, backward)
+    return run(lhs, rhs)
+
+  return product
 
 
 def quantize_params(params: Any, abstract_quantized: Any) -> Any:
