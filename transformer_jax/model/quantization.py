@@ -101,39 +101,47 @@ def quantized(model: nn.Module, s: QuantizationSpec | None) -> nn.Module:
 
 def _dequantized_again_in_backward(qwix_dot_general, quantized_type):
   """qwix's dot_general, whose gradient (through its float input: LoRA over a quantized base
-  trains through the base's products) dequantizes the quantized kernel again instead of
-  keeping the forward pass's float copy. Otherwise every layer's float kernels stay alive
-  from the forward pass to the backward (benchmarks/RESULTS.md, QLoRA): the memory a
-  quantized base was to save."""
+  trains through the base's products) dequantizes the kernel again (`recomputed_in_backward`)
+  instead of keeping the forward pass's float copy. Otherwise every layer's float kernels
+  stay alive from the forward pass to the backward (benchmarks/RESULTS.md, QLoRA): the memory
+  a quantized base was to save."""
 
   def product(lhs, rhs, dimension_numbers, *args, **kwargs):
     if not isinstance(rhs, quantized_type) or not jnp.issubdtype(lhs.dtype, jnp.inexact):
       return qwix_dot_general(lhs, rhs, dimension_numbers, *args, **kwargs)
-    apply = lambda x, kernel: qwix_dot_general(x, kernel, dimension_numbers, *args, **kwargs)
-
-    @jax.custom_vjp
-    def run(x, kernel):
-      return apply(x, kernel)
-
-    def forward(x, kernel):
-      return apply(x, kernel), kernel  # the quantized kernel alone is kept
-
-    def backward(kernel, grad):
-      # Scales that depend on `grad` (times zero: the same values) keep XLA from merging this
-      # dequantization with the forward pass's (an optimization barrier does not, on XLA:CPU).
-      after_grad = jnp.zeros((), kernel.scale.dtype) * grad.reshape(-1)[0].astype(
-          kernel.scale.dtype)
-      kernel = dataclasses.replace(kernel, scale=kernel.scale + after_grad)
-      _, transpose = jax.vjp(lambda x: apply(x, kernel), jnp.zeros(lhs.shape, lhs.dtype))
-      no_grad = jax.tree.map(lambda v: np.zeros(v.shape, jax.dtypes.float0)
-                             if not jnp.issubdtype(v.dtype, jnp.inexact)
-                             else jnp.zeros_like(v), kernel)
-      return transpose(grad)[0], no_grad
-
-    run.defvjp(forward, backward)
-    return run(lhs, rhs)
+    return recomputed_in_backward(
+        lambda x, kernel: qwix_dot_general(x, kernel, dimension_numbers, *args, **kwargs),
+        lhs, rhs)
 
   return product
+
+
+def recomputed_in_backward(apply, x: jax.Array, frozen: Any) -> jax.Array:
+  """apply(x, frozen), linear in `x`, with `frozen` (quantized weights: no gradient) kept as
+  it is for the backward pass, which recomputes what `apply` derives from it (a float copy of
+  a kernel) rather than keeping the forward pass's."""
+
+  @jax.custom_vjp
+  def run(x, frozen):
+    return apply(x, frozen)
+
+  def forward(x, frozen):
+    return apply(x, frozen), frozen
+
+  def backward(frozen, grad):
+    # `frozen` made to depend on the gradient (a select that keeps every value), so that XLA
+    # cannot merge the recomputation with the forward pass's (an optimization barrier does
+    # not stop it on XLA:CPU).
+    broken = jnp.isnan(grad.reshape(-1)[0])
+    frozen = jax.tree.map(lambda v: jnp.where(broken, jnp.zeros_like(v), v), frozen)
+    _, transpose = jax.vjp(lambda v: apply(v, frozen), jnp.zeros(x.shape, x.dtype))
+    no_gradient = jax.tree.map(lambda v: np.zeros(v.shape, jax.dtypes.float0)
+                               if not jnp.issubdtype(v.dtype, jnp.inexact)
+                               else jnp.zeros_like(v), frozen)
+    return transpose(grad)[0], no_gradient
+
+  run.defvjp(forward, backward)
+  return run(x, frozen)
 
 
 def quantize_params(params: Any, abstract_quantized: Any) -> Any:
