@@ -32,6 +32,18 @@ def decoder(request, tmp_path_factory):
   return batch_decoder.BatchDecoder(predictor, 2, stream_steps=4)
 
 
+def through_the_pool(pool, rows) -> dict:
+  """Every row's output, the rows entering `pool`'s free slots in order as others finish:
+  {index in rows: batch_decoder.Output}."""
+  waiting, outputs = list(range(len(rows))), {}
+  while waiting or pool.live():
+    entering, waiting = waiting[:pool.free()], waiting[pool.free():]
+    if entering:
+      pool.admit([rows[i] for i in entering], entering)
+    outputs.update(pool.advance())
+  return outputs
+
+
 def _rows(decoder):
   """Greedy and sampled rows (seeded), max_tokens from 1 to 64."""
   predictor = decoder.predictor

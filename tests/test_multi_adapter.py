@@ -11,6 +11,7 @@ import pytest
 
 from tests import cli
 from tests import hf_fixtures
+from tests.test_continuous_batching import through_the_pool
 from tests.test_serving import Server
 from tests.test_serving import _pretrained_config
 from transformer_jax import default_config
@@ -149,12 +150,7 @@ def test_encoder_decoder_rows_of_each_adapter_in_one_pool(tmp_path):
                                        adapters=adapters_lib.load(base, named, "bart"))
   prompts = [np.asarray(base.family.prompt(base.tokenizer.encode(t))) for t in TEXTS]
   rows = [batch_decoder.Row(p, 20, adapter=i % 3) for i, p in enumerate(prompts)]
-  pool, waiting, outputs = slot_pool.SlotPool(decoder), list(range(len(rows))), {}
-  while waiting or pool.live():
-    entering, waiting = waiting[:pool.free()], waiting[pool.free():]
-    if entering:
-      pool.admit([rows[i] for i in entering], entering)
-    outputs.update(pool.advance())
+  outputs = through_the_pool(slot_pool.SlotPool(decoder), rows)
   merged = [base] + [predict.Predictor.from_pretrained(folder, config, adapter=path)
                      for path in named.values()]
   batch = decoder.decode(rows[:2])

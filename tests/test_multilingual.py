@@ -28,6 +28,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 from tests import cli
 from tests import hf_fixtures
+from tests.test_continuous_batching import through_the_pool
 from transformer_jax import commands
 from transformer_jax import config_validation
 from transformer_jax import default_config
@@ -424,13 +425,7 @@ def _check_served_rows(predictor, prompts, expected):
   target code first (or its decoder started from it)."""
   decoder = batch_decoder.BatchDecoder(predictor, len(prompts))
   rows = [batch_decoder.Row(p, NEW_TOKENS) for p in prompts]
-  pool_decoder = batch_decoder.BatchDecoder(predictor, 2)
-  pool, waiting, pooled = slot_pool.SlotPool(pool_decoder), list(range(len(rows))), {}
-  while waiting or pool.live():
-    entering, waiting = waiting[:pool.free()], waiting[pool.free():]
-    if entering:
-      pool.admit([rows[i] for i in entering], entering)
-    pooled.update(pool.advance())
+  pooled = through_the_pool(slot_pool.SlotPool(batch_decoder.BatchDecoder(predictor, 2)), rows)
   for i, (output, ids) in enumerate(zip(decoder.decode(rows), expected)):
     ids = np.asarray(ids)
     ids = ids[:np.flatnonzero(ids == 1)[0] + 1] if (ids == 1).any() else ids  # through EOS
