@@ -133,7 +133,7 @@ def test_parse_names_and_folders():
   assert adapters_lib.parse(["/a/b=c"]) == ("/a/b=c", {})
   assert adapters_lib.parse(["x=/a", "y=/b"]) == (None, {"x": "/a", "y": "/b"})
   for values, message in [(["/a", "/b"], "name each one"), (["/a", "x=/b"], "name each one"),
-                          (["x=/a", "x=/b"], "given twice")]:
+                          (["x=/a", "x=/b"], "given twice"), (["a b=/x"], "letters, digits")]:
     with pytest.raises(ValueError, match=message):
       adapters_lib.parse(values)
 

@@ -286,6 +286,8 @@ def _serve(workdir: str | None, serving: bool) -> None:
   from transformer_jax.serving import adapters  # pylint: disable=g-import-not-at-top
   from transformer_jax.serving import server  # pylint: disable=g-import-not-at-top
   merged, named = _adapters()
+  name = server.model_name(workdir, flags.FLAGS.pretrained)
+  adapters.check_names(named, name)
   server.check_address(flags.FLAGS.host, flags.FLAGS.port)  # before the minutes of loading
   server.use_compilation_cache(flags.FLAGS.compilation_cache)
   given = [k for k in _given_config_keys() if k.startswith("decoding.") or k == "prompt_format"]
@@ -293,7 +295,6 @@ def _serve(workdir: str | None, serving: bool) -> None:
       workdir, flags.FLAGS.pretrained, None if serving else _checkpoint(),
       flags.FLAGS.average_last, flags.FLAGS.config if serving else _inference_config(),
       given_keys=given if serving else None, adapter=merged)
-  name = server.model_name(workdir, flags.FLAGS.pretrained)
   served = adapters.load(predictor, named, name) if named else None
   server.run_serve(predictor, name, flags.FLAGS.host, flags.FLAGS.port, flags.FLAGS.api_key,
                    adapters=served)

@@ -84,19 +84,29 @@ def rules(s: QuantizationSpec) -> list:
 
 
 def quantized(model: nn.Module, s: QuantizationSpec | None) -> nn.Module:
-  """`model` reading its projections' kernels as `s` holds them (itself where `s` is None)."""
+  """`model` reading its projections' kernels as `s` holds them (itself where `s` is None).
+  Gradients through its quantized products (LoRA over a quantized base) dequantize each
+  kernel again in the backward pass (`recomputed_in_backward`)."""
   if s is None:
     return model
   import qwix  # pylint: disable=import-outside-toplevel
-  # qwix's own products, given to its provider through its hooks for them.
-  from qwix._src.core import dot_general, einsum, qarray  # pylint: disable=import-outside-toplevel
   methods = [name for name in _METHODS if hasattr(model, name)]
-  product = _dequantized_again_in_backward(dot_general.dot_general, qarray.QArray)
-  provider = qwix.PtqProvider(
-      rules(s), _dot_general_fn=product,
-      _einsum_fn=lambda *args, **kwargs: einsum.einsum(*args, _qwix_dot_general=product,
-                                                       **kwargs))
-  return qwix.quantize_model(model, provider, methods=methods)
+  return qwix.quantize_model(model, _provider(qwix, rules(s)), methods=methods)
+
+
+def _provider(qwix, found: list):
+  """qwix's PtqProvider for rules `found`, its products given through the provider's hooks
+  for them (keyword arguments of qwix 0.1.8 that are not public API: where a qwix release
+  lacks them, the plain provider, whose backward pass keeps the float kernels)."""
+  try:
+    from qwix._src.core import dot_general, einsum, qarray  # pylint: disable=import-outside-toplevel
+    product = _dequantized_again_in_backward(dot_general.dot_general, qarray.QArray)
+    return qwix.PtqProvider(
+        found, _dot_general_fn=product,
+        _einsum_fn=lambda *args, **kwargs: einsum.einsum(*args, _qwix_dot_general=product,
+                                                         **kwargs))
+  except (ImportError, AttributeError, TypeError):
+    return qwix.PtqProvider(found)
 
 
 def _dequantized_again_in_backward(qwix_dot_general, quantized_type):
@@ -121,6 +131,8 @@ def recomputed_in_backward(apply, x: jax.Array, frozen: Any) -> jax.Array:
   it is for the backward pass, which recomputes what `apply` derives from it (a float copy of
   a kernel) rather than keeping the forward pass's."""
 
+  x_like = jax.ShapeDtypeStruct(x.shape, x.dtype)
+
   @jax.custom_vjp
   def run(x, frozen):
     return apply(x, frozen)
@@ -129,12 +141,13 @@ def recomputed_in_backward(apply, x: jax.Array, frozen: Any) -> jax.Array:
     return apply(x, frozen), frozen
 
   def backward(frozen, grad):
-    # `frozen` made to depend on the gradient (a select that keeps every value), so that XLA
-    # cannot merge the recomputation with the forward pass's (an optimization barrier does
-    # not stop it on XLA:CPU).
-    broken = jnp.isnan(grad.reshape(-1)[0])
-    frozen = jax.tree.map(lambda v: jnp.where(broken, jnp.zeros_like(v), v), frozen)
-    _, transpose = jax.vjp(lambda v: apply(v, frozen), jnp.zeros(x.shape, x.dtype))
+    # The float leaves (scales) made to depend on the gradient, so that XLA cannot merge the
+    # recomputation with the forward pass's (an optimization barrier does not stop it on
+    # XLA:CPU): the same values, NaN where the gradient is, as autodiff would give.
+    nan = jnp.isnan(grad.reshape(-1)[0])
+    frozen = jax.tree.map(lambda v: jnp.where(nan, jnp.nan, v).astype(v.dtype)
+                          if jnp.issubdtype(v.dtype, jnp.inexact) else v, frozen)
+    _, transpose = jax.vjp(lambda v: apply(v, frozen), jnp.zeros(x_like.shape, x_like.dtype))
     no_gradient = jax.tree.map(lambda v: np.zeros(v.shape, jax.dtypes.float0)
                                if not jnp.issubdtype(v.dtype, jnp.inexact)
                                else jnp.zeros_like(v), frozen)

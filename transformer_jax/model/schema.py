@@ -170,7 +170,7 @@ class LoraSpec:
   dropout: float = 0.0
   rslora: bool = False  # scale alpha / sqrt(rank) (Kalajdzievski, 2023) instead of alpha / rank
   targets: tuple[str, ...] = ("query", "value")
-  # Each row of a batch brings its own adapters: `a` [rows, *in, rank], `b` [rows, rank, *out]
+  # Each row of a batch brings its own adapters, `a` and `b` with a leading [rows] axis
   # (a server's adapters gathered by row, lora.for_rows), applied unmerged.
   per_row: bool = False
 

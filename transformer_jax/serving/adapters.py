@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 
 import jax
 
@@ -43,9 +44,9 @@ def parse(values: list[str] | None) -> tuple[str | None, dict[str, str]]:
     if not folder or os.sep in name or "/" in name:  # a folder (whose path may hold '=')
       merged.append(value)
       continue
-    if not name.strip() or name != name.strip():
-      raise ValueError(f"--adapter {value}: an adapter's name is a word without spaces "
-                       "(--adapter NAME=DIR).")
+    if not re.fullmatch(r"[\w.:-]+", name):
+      raise ValueError(f"--adapter {value}: an adapter's name is letters, digits and "
+                       "'_.:-' (--adapter NAME=DIR).")
     if name in named:
       raise ValueError(f"--adapter {name}=... is given twice: give each adapter its own "
                        "name.")
@@ -54,6 +55,13 @@ def parse(values: list[str] | None) -> tuple[str | None, dict[str, str]]:
     raise ValueError("--adapter DIR merges one adapter into the weights; to serve several "
                      "side by side, name each one: --adapter NAME=DIR.")
   return (merged[0] if merged else None), named
+
+
+def check_names(named: dict[str, str], base_name: str) -> None:
+  """ValueError in one line where an adapter takes the base model's name."""
+  if base_name in named:
+    raise ValueError(f"--adapter {base_name}=...: {base_name!r} is the base model's name; "
+                     "give the adapter another.")
 
 
 def load(predictor, named: dict[str, str], base_name: str) -> AdapterSet:
@@ -67,9 +75,7 @@ def load(predictor, named: dict[str, str], base_name: str) -> AdapterSet:
     raise ValueError("Named adapters (--adapter NAME=DIR) serve text generation; a "
                      "classifier's adapter brings its own head: serve one, merged, with "
                      "--adapter DIR.")
-  if base_name in named:
-    raise ValueError(f"--adapter {base_name}=...: {base_name!r} is the base model's name; "
-                     "give the adapter another.")
+  check_names(named, base_name)
   checkpoint = checkpoint_lib.open_checkpoint(config.pretrained)
   read = [predict.read_peft_adapter(folder, checkpoint, config) for folder in named.values()]
   wide = lora_lib.per_row_spec([spec for _, spec in read])

@@ -141,7 +141,7 @@ class BatchDecoder:
     """Every (prompt length, rows) bucket a batch can take."""
     return [(length, rows) for length in self.length_buckets for rows in self.row_buckets]
 
-  def warm_up(self, progress: Callable[[int, int, tuple[int, int]], None] | None = None,
+  def warm_up(self, progress: Callable[[int, int, tuple], None] | None = None,
               shapes: Sequence[tuple[int, int]] | None = None,
               stop: threading.Event | None = None) -> bool:
     """Compiles the buckets `shapes` (default: every one) by decoding one-token outputs of
@@ -209,12 +209,13 @@ def segment_function(runner, max_new: int, steps: int, decoding_config) -> Calla
 
   def advance(params, carried, rows):
     state, context, forced_firsts = carried
-    forced = jnp.zeros((forced_firsts.shape[0], max_new), jnp.int32)
-    if forced_eos:  # Hugging Face's forced_eos_token_id: EOS at the row's last position
+    # A many-direction workdir's target code, first; then Hugging Face's forced_eos_token_id,
+    # EOS at the row's last position (it wins, as in --mode predict's processors).
+    forced = jnp.zeros((forced_firsts.shape[0], max_new), jnp.int32).at[:, 0].set(
+        forced_firsts)
+    if forced_eos:
       forced = forced.at[jnp.arange(forced.shape[0]), rows["max_tokens"] - 1].set(
           tokenizer_lib.EOS_ID, mode="drop")
-    # A many-direction workdir's target code, first.
-    forced = forced.at[:, 0].set(jnp.where(forced_firsts != 0, forced_firsts, forced[:, 0]))
     state = decoding.sample_steps(
         state, runner.step_logits(lora_lib.for_rows(params, rows["adapter"]), context),
         row_keys(rows), steps=steps, eos_id=tokenizer_lib.EOS_ID, end_ids=end_ids,
@@ -262,10 +263,9 @@ def settings(rows: Sequence[Row], count: int) -> dict[str, np.ndarray]:
       "adapter": column((r.adapter for r in rows), np.int32, 0)}
 
 
-def each_shape(every: list[tuple[int, int]], shapes: Sequence[tuple[int, int]] | None,
-               progress: Callable[[int, int, tuple[int, int]], None] | None,
-               stop: threading.Event | None, compile_one: Callable[[tuple[int, int]], None]
-               ) -> bool:
+def each_shape(every: list[tuple], shapes: Sequence[tuple] | None,
+               progress: Callable[[int, int, tuple], None] | None,
+               stop: threading.Event | None, compile_one: Callable[[tuple], None]) -> bool:
   """`compile_one` of each of `shapes` (default: `every` one), telling `progress` (index
   among `every`, their count, shape) before each; stops between shapes once `stop` is set.
   Returns whether it went through them all."""

@@ -7,7 +7,9 @@ long one and a request that arrives mid-batch starts at the next segment.
 The pool's cache holds the longest prompt and the longest output (max_source_length +
 max_new_tokens slots per row; an encoder-decoder's sources max_source_length tokens), so
 every row the server admits fits. New rows are read in (k rows, prompt length) buckets, k a
-power of two: one compiled refill per bucket, and one compiled segment for the pool.
+power of two: one compiled refill per bucket (and per prompt length one more, for a burst
+that fills the largest bucket, read packed), and one compiled segment per k: a segment
+decodes the slots up to the last live one.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ class _Slot:
 class SlotPool:
   """`decoder`'s model (a batch_decoder.BatchDecoder of a sequence family) decoding a pool of
   its max_batch_size rows continuously. Used from one thread (the engine's), except
-  `warm_up`, which compiles on a scratch pool of its own."""
+  `warm_up`, which compiles on a scratch pool of its own and adds what it compiled to
+  `refills` / `compiled` (where the live pool finds a packed refill ready)."""
 
   def __init__(self, decoder: batch_decoder.BatchDecoder):
     self.decoder = decoder
@@ -145,7 +148,7 @@ class SlotPool:
       batch = [part[:k] for part in by_part]
       by_part = [part[k:] for part in by_part]
       count = max(map(len, by_part))
-      pack = (length, k, self.packed_rows(k)) in self.compiled
+      pack = self.packed_rows(k) > 0 and (length, k, self.packed_rows(k)) in self.compiled
       new, packed_rows = self._new_rows(batch, k, length, pack)
       self._carried = self._refill(self._carried, new, (length, k, packed_rows))
       self.packed_refills += bool(packed_rows)
