@@ -44,6 +44,11 @@ class Family(abc.ABC):
     # `embeddings` its token embedding) as; None: float.
     self.quantization = quantization.spec(
         config, self.model_config.qkv_dim // self.model_config.num_heads)
+    self._make_models()
+
+  def _make_models(self) -> None:
+    """self.float_model (as checkpoints hold it) and self.model (as it is served) for
+    self.model_config."""
     self.float_model = self._make_model()
     self.model = quantization.quantized(self._make_model(self._held_config()),
                                         self.quantization)
@@ -53,11 +58,9 @@ class Family(abc.ABC):
     lora.per_row_spec), the same in all else: parameters are this model's plus the adapters."""
     family = copy.copy(self)
     family.model_config = self.model_config.replace(lora=lora)
-    family.float_model = family._make_model()
-    family.model = quantization.quantized(family._make_model(family._held_config()),
-                                          self.quantization)
+    family._make_models()  # pylint: disable=protected-access
     if hasattr(self, "runner"):
-      family.runner = family._make_runner()
+      family.runner = family._make_runner()  # pylint: disable=protected-access
     return family
 
   def trained_in_full(self) -> tuple[str, ...]:

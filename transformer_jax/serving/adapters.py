@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import os
 import re
+from typing import Any
 
 import jax
 
@@ -26,7 +27,9 @@ class AdapterSet:
   """Named adapters over one base: `names[i]` is stack entry i + 1 (entry 0: none)."""
   names: tuple[str, ...]
   folders: tuple[str, ...]
-  lora: lora_lib.LoraSpec  # the per-row spec that holds them all (lora.per_row_spec)
+  # The base's family over a model with the per-row adapters that hold them all
+  # (lora.per_row_spec): what the server decodes with.
+  family: Any
   stack: dict  # host arrays [1 + len(names), ...], lora.stacked's layout
   boxed: dict  # the stack's logical axes (one row's, boxed abstract values)
 
@@ -84,4 +87,4 @@ def load(predictor, named: dict[str, str], base_name: str) -> AdapterSet:
                          jax.random.PRNGKey(0))
   boxed_adapters = lora_lib.split(boxed)[0]
   stack = lora_lib.stacked(read, wide, parallel.unbox(boxed_adapters))
-  return AdapterSet(tuple(named), tuple(named.values()), wide, stack, boxed_adapters)
+  return AdapterSet(tuple(named), tuple(named.values()), family, stack, boxed_adapters)

@@ -76,7 +76,7 @@ class BatchDecoder:
     self.family = predictor.family
     self.params = predictor.device_params
     if adapters is not None:
-      self.family = predictor.family.with_adapters(adapters.lora)
+      self.family = adapters.family
       self.params = lora_lib.combine(self.layout.place_params(adapters.stack, adapters.boxed),
                                      self.params)
     config = predictor.config
