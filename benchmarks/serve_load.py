@@ -66,7 +66,10 @@ def post(url: str, body: dict) -> dict:
     raise SystemExit(f"{body} -> HTTP {e.code}: {e.read().decode()}") from e
 
 
-def start_server(args, port: int, log, server_args: list[str]) -> subprocess.Popen:
+def start_server(args, port: int, log, server_args: list[str],
+                 after_compile: bool = False) -> subprocess.Popen:
+  """The server of `args` on `port`, once /health answers (with `after_compile`, once it has
+  also compiled every shape)."""
   model = ["--workdir", args.workdir] if args.workdir else ["--pretrained", args.pretrained]
   extra = [f"--config.decoding.min_length={args.max_tokens}"] if args.fixed_length else []
   command = [sys.executable, "-m", "transformer_jax.main", "--mode", "serve", "--port",
@@ -85,7 +88,7 @@ def start_server(args, port: int, log, server_args: list[str]) -> subprocess.Pop
     # Measured once every shape has compiled: the background compile would take the CPU
     # from the first requests (the server answers before it has finished).
     with open(log.name, encoding="utf-8", errors="replace") as text:
-      if "Compiled all" in text.read() or not args.after_compile:
+      if "Compiled all" in text.read() or not after_compile:
         return process
     time.sleep(1)
   process.kill()
@@ -235,7 +238,7 @@ def sweep(args, server_args: list[str], label: str | None,
   with tempfile.NamedTemporaryFile("w+", prefix="serve_load_", suffix=".log",
                                    delete=False) as log:
     start = time.perf_counter()
-    server = start_server(args, port, log, server_args)
+    server = start_server(args, port, log, server_args, args.after_compile)
     print(f"Server{' (' + label + ')' if label else ''} ready in "
           f"{time.perf_counter() - start:.0f} s (log: {log.name})", flush=True)
     try:
