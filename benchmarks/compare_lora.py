@@ -16,7 +16,9 @@ Variants, each in a process of its own, taking turns (--rounds of --steps steps 
                groups of 128); lora_int8e, lora_int4e: its token embedding int8 too
                (config.quantization.embeddings).
 --variants picks them (default full,lora,lora_bf16); ratios are against the first. --remat:
-every variant with config.model.remat (each layer recomputed in the backward pass).
+every variant with config.model.remat (each layer recomputed in the backward pass);
+--logits_chunk_length N: every variant with the fused output layer and loss over N positions
+at a time (config.logits_chunk_length, config.fused_loss).
 Per variant: the median seconds per step over the rounds after two warm-up steps, the
 process's peak resident memory (ru_maxrss), the bytes the compiled step needs (XLA's memory
 analysis: its arguments, outputs and temporaries), the optimizer state's bytes, and the bytes of the
@@ -63,6 +65,8 @@ def serve(args) -> None:
   config = default_config.get_config()
   config.label_smoothing = 0.0
   config.model.remat = args.remat
+  config.update(logits_chunk_length=args.logits_chunk_length,
+                fused_loss=args.logits_chunk_length > 0)
   batch = None
   if hf["model_type"] == "t5":
     config.model.update(t5.model_fields(hf, tied=True), max_len=seq_len)
@@ -112,6 +116,7 @@ def main():
   parser.add_argument("--steps", type=int, default=2)
   parser.add_argument("--variants", default="full,lora,lora_bf16")
   parser.add_argument("--remat", action="store_true")  # config.model.remat: layers recomputed
+  parser.add_argument("--logits_chunk_length", type=int, default=0)
   parser.add_argument("--side", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.side:
@@ -123,8 +128,9 @@ def main():
     children[side] = subprocess.Popen(
         [sys.executable, __file__, "--side", side, "--model", args.model, "--rank",
          str(args.rank), "--targets", args.targets, "--batch_size", str(args.batch_size),
-         "--seq_len", str(args.seq_len)] + ["--remat"] * args.remat, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        text=True, cwd=ROOT)
+         "--seq_len", str(args.seq_len), "--logits_chunk_length", str(args.logits_chunk_length)]
+        + ["--remat"] * args.remat, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        cwd=ROOT)
     assert children[side].stdout.readline().strip() == "ready", side
   times = {side: [] for side in variants}
   for _ in range(args.rounds):  # turns, so that every variant sees the same machine
@@ -133,7 +139,8 @@ def main():
       child.stdin.flush()
       times[side].append(float(child.stdout.readline()))
   result = dict(model=args.model, rank=args.rank, targets=args.targets,
-                batch_size=args.batch_size, seq_len=args.seq_len, remat=args.remat)
+                batch_size=args.batch_size, seq_len=args.seq_len, remat=args.remat,
+                logits_chunk_length=args.logits_chunk_length)
   for side, child in children.items():
     child.stdin.close()
     result[side] = dict(step_s=statistics.median(times[side]),

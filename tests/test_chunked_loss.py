@@ -11,6 +11,8 @@ from tests.conftest import make_tiny_config
 from transformer_jax import config_validation
 from transformer_jax import families
 from transformer_jax import metrics
+from transformer_jax.model import lora as lora_lib
+from transformer_jax.model import quantization
 
 
 def _family(family_name: str, chunk_length: int, vocab_size: int = 256, fused: bool = False,
@@ -44,15 +46,22 @@ def _batch(family, rows: int, weighted_part: bool = False) -> dict:
   return batch
 
 
-def _loss_and_grads(family, params, batch):
-  return jax.jit(lambda p, b: _traced_loss_and_grads(family, p, b))(params, batch)
+def _loss_and_grads(family, params, batch, adapters=None):
+  """The loss, metrics and gradients of `params`; with `adapters` (a LoRA run's), of those
+  alone, the rest of `params` the frozen base closed over."""
+  if adapters is None:
+    return jax.jit(lambda p, b: _traced_loss_and_grads(family, p, b))(params, batch)
+  _, frozen = lora_lib.split(params)
+  return jax.jit(lambda a, b: _traced_loss_and_grads(
+      family, a, b, lambda a: lora_lib.combine(a, frozen)))(adapters, batch)
 
 
-def _traced_loss_and_grads(family, params, batch):
+def _traced_loss_and_grads(family, params, batch, combine=lambda params: params):
   # As train.train_step's: the loss divided by the batch's token count, a traced value.
   denominator = jnp.sum(family.labels_and_weights(batch)[1])
 
   def loss(params):
+    params = combine(params)
     def score(logits, labels, weights):
       smoothed, unsmoothed = metrics.smoothed_cross_entropy(
           logits, labels, 0.1, also_unsmoothed=True,
@@ -116,3 +125,33 @@ def test_the_fused_loss_needs_chunks():
              for p in config_validation.problems(config))
   config.logits_chunk_length = 16
   assert config_validation.problems(config) == []
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["chunked", "fused"])
+def test_chunks_over_a_frozen_int8_table_give_the_adapters_gradients(fused):
+  """A QLoRA run's output layer: the tied table int8 (quantization.embeddings) and frozen,
+  closed over as train_step's LoRA loss holds it. The fused loss takes no gradient of it (an
+  int8 table has none; a float one would cost a [vocab, emb] float32 sum), and the adapters'
+  gradients equal the whole batch's."""
+  lora = dict(rank=4, targets="all", base_dtype="int8")
+  families_by_chunk = {}
+  for chunk_length in (0, 5):
+    config = _family("decoder_only", chunk_length, fused=fused and chunk_length > 0).config
+    config.lora.update(lora)
+    config.quantization.embeddings = True
+    families_by_chunk[chunk_length] = families.get(config)
+  whole = families_by_chunk[0]
+  adapters, base = lora_lib.split(whole.init_params(jax.random.PRNGKey(0)))
+  adapters = jax.tree.map(lambda x: x + 0.1, adapters)  # b != 0: every adapter has gradient
+  frozen = whole.frozen_base(base)
+  assert any(isinstance(leaf, quantization.Int8Table)
+             for leaf in jax.tree.leaves(frozen, is_leaf=quantization.is_quantized))
+  batch = _batch(whole, rows=4)
+  results = [_loss_and_grads(family, lora_lib.combine(adapters, frozen), batch, adapters)
+             for family in families_by_chunk.values()]
+  (loss, _), grads = results[0]
+  (chunked_loss, _), chunked_grads = results[1]
+  np.testing.assert_allclose(chunked_loss, loss, rtol=1e-5)
+  assert all(np.abs(g).max() > 0 for g in jax.tree.leaves(grads))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+               chunked_grads, grads)

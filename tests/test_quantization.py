@@ -19,6 +19,7 @@ from transformer_jax import parallel
 from transformer_jax import predict
 from transformer_jax import train
 from transformer_jax import workdir as workdir_lib
+from transformer_jax.model import layers
 from transformer_jax.model import lora as lora_lib
 from transformer_jax.model import quantization
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
@@ -172,6 +173,24 @@ def _qlora_config(folder, data_cache, steps, base_dtype="int8"):
   config.lora.update(rank=4, targets="all", base_dtype=base_dtype)
   config.quantization.group_size = 16  # int4: the tiny llama is 32 wide
   return config
+
+
+def test_an_int8_table_multiplies_a_block_of_rows_at_a_time(monkeypatch):
+  """Differentiated, the tied output layer over an int8 table converts blocks of rows (the
+  last overlapping the one before it) in the forward and backward passes: the logits and the
+  states' gradient of the whole table's product."""
+  monkeypatch.setattr(quantization, "_TABLE_BLOCK_BYTES", 4 * 64 * 300)  # blocks of 300 rows
+  rng = np.random.default_rng(0)
+  table = quantization.int8_table(rng.normal(size=(1000, 64)).astype(np.float32))
+  states = rng.normal(size=(2, 5, 64)).astype(np.float32)
+  cotangent = rng.normal(size=(2, 5, 1000)).astype(np.float32)
+  whole = lambda y: y @ table.dequantized().T
+  blocks = lambda y: table.logits(y, layers.float32_sum_dot)
+  np.testing.assert_allclose(jax.jit(blocks)(states), whole(states), rtol=1e-5, atol=1e-5)
+  differentiated = jax.jit(lambda y: jax.vjp(blocks, y)[0])(states)  # the blockwise forward
+  np.testing.assert_allclose(differentiated, whole(states), rtol=1e-5, atol=1e-5)
+  gradient = lambda logits: jax.jit(jax.grad(lambda y: (logits(y) * cotangent).sum()))(states)
+  np.testing.assert_allclose(gradient(blocks), gradient(whole), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("base_dtype", ["int8", "int4"])

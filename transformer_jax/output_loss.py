@@ -85,10 +85,20 @@ def fused_score(score, output_layer: Callable[[Any, Array], Array], params, stat
     return jax.lax.scan(add, jax.tree.map(jnp.zeros_like, sums), chunks)[0]
 
   def forward_and_gradients(read, states, labels, weights, closed):
+    # Only what is differentiated gets a gradient (symbolic_zeros): a LoRA run's frozen table,
+    # or an int8 one, has none, so no [vocab, emb] float32 sum of its gradients is built.
+    trained = [i for i, leaf in enumerate(read)
+               if leaf.perturbed and jnp.issubdtype(leaf.value.dtype, jnp.inexact)]
+    read, states, labels, weights, closed = jax.tree.map(
+        lambda leaf: leaf.value, (read, states, labels, weights, closed))
+    with_trained = lambda values: [values[trained.index(i)] if i in trained else leaf
+                                   for i, leaf in enumerate(read)]
+
     def add(carry, chunk):
       total, read_grads = carry
-      values, pullback = jax.vjp(lambda r, s: one_chunk(r, s, *chunk[1:], *closed), read,
-                                 chunk[0])
+      values, pullback = jax.vjp(
+          lambda r, s: one_chunk(with_trained(r), s, *chunk[1:], *closed),
+          [read[i] for i in trained], chunk[0])
       seed = jax.tree.leaves(jax.tree.map(jnp.zeros_like, values))
       seed = jax.tree.unflatten(jax.tree.structure(values), [jnp.ones_like(seed[0])] + seed[1:])
       chunk_read_grads, state_grads = pullback(seed)
@@ -96,19 +106,22 @@ def fused_score(score, output_layer: Callable[[Any, Array], Array], params, stat
               jax.tree.map(jnp.add, read_grads, chunk_read_grads)), state_grads
 
     (total, read_grads), state_grads = jax.lax.scan(
-        add, (jax.tree.map(jnp.zeros_like, sums), jax.tree.map(jnp.zeros_like, read)),
+        add, (jax.tree.map(jnp.zeros_like, sums),
+              [jnp.zeros_like(read[i]) for i in trained]),
         tuple(_split(x, chunk_length) for x in (states, labels, weights)))
     rows, length = states.shape[:2]
     state_grads = jnp.moveaxis(state_grads, 0, 1).reshape(rows, -1, states.shape[2])
+    read_grads = [read_grads[trained.index(i)] if i in trained else None
+                  for i in range(len(read))]
     return total, (read_grads, state_grads[:, :length])
 
   def backward(grads, cotangent):
     scale = jax.tree.leaves(cotangent)[0]  # the loss's; the metrics are not differentiated
     read_grads, state_grads = jax.tree.map(lambda g: (scale * g).astype(g.dtype), grads)
-    return read_grads, state_grads, None, None, None
+    return read_grads, state_grads, None, None, [None] * len(closed)
 
   fused = jax.custom_vjp(forward)
-  fused.defvjp(forward_and_gradients, backward)
+  fused.defvjp(forward_and_gradients, backward, symbolic_zeros=True)
   return fused(read, states, labels, weights, closed)
 
 

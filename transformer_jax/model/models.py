@@ -126,9 +126,7 @@ class TokenEmbedding(nn.Module):
     by its int8 rows, each logit then scaled."""
     table = self.embedding.embedding
     if isinstance(table, quantization.Int8Table):
-      logits = layers.float32_sum_dot(y, table.values.astype(y.dtype),
-                                      (((y.ndim - 1,), (1,)), ((), ())))
-      return logits * table.scales[:, 0]
+      return table.logits(y, layers.float32_sum_dot)
     return layers.tied_logits(y, table)
 
 
