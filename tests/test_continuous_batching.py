@@ -96,6 +96,26 @@ def test_rows_entering_together_are_read_packed(decoder):
     np.testing.assert_allclose(outputs[i].logprobs, logprobs, atol=5e-5)
 
 
+def test_rows_left_in_high_slots_move_down_and_decode_as_each_alone(decoder):
+  """A four-slot pool whose first two rows end at once: the two left (one greedy, one
+  sampled with a seed) move to slots 0 and 1, so that their segments run two slots, not
+  four, and each output is still its one-call decode's."""
+  pool = slot_pool.SlotPool(batch_decoder.BatchDecoder(decoder.predictor, 4, stream_steps=4))
+  every = _rows(decoder)
+  rows = [every[1], every[4], every[0], every[3]]  # 1, 2, 64 (greedy), 33 (sampled) tokens
+  for i, row in enumerate(rows):
+    row.max_tokens, row.prompt_index = min(row.max_tokens, 24), i
+  assert pool.warm_up(shapes=pool.shapes()[:1]) and pool.moves_compiled
+  pool.admit(rows, list(range(4)))
+  outputs = {}
+  while pool.live():
+    outputs.update(pool.advance())
+  assert pool.moves == 1
+  for i, (ids, logprobs) in enumerate(_one_call(decoder, rows)):
+    np.testing.assert_array_equal(outputs[i].ids, ids)
+    np.testing.assert_allclose(outputs[i].logprobs, logprobs, atol=5e-5)
+
+
 def test_a_short_request_arriving_mid_decode_finishes_first(decoder):
   pool = slot_pool.SlotPool(decoder)
   engine = engine_lib.Engine(decoder, max_wait_ms=0, max_queue=8, pool=pool)

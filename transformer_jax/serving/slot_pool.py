@@ -9,7 +9,8 @@ max_new_tokens slots per row; an encoder-decoder's sources max_source_length tok
 every row the server admits fits. New rows are read in (k rows, prompt length) buckets, k a
 power of two: one compiled refill per bucket (and per prompt length one more, for a burst
 that fills the largest bucket, read packed), and one compiled segment per k: a segment
-decodes the slots up to the last live one.
+decodes the slots up to the last live one. Where the live rows would fit a smaller bucket
+than their slots need (the end of a burst), they move down to the lowest slots first.
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ class SlotPool:
     # one compiled segment per bucket, so that a lone request does not pay for every slot.
     self._advance = {k: self.layout.compile_decode_steps(functools.partial(advance, live=k))
                      for k in self.k_buckets}
+    # Where few rows are left in high slots (the end of a burst), they move to the lowest
+    # slots, so that their segments run a smaller bucket; once `warm_up` has compiled it.
+    self._move = self.layout.compile_decode_steps(_move_rows)
+    self.moves_compiled = False
+    self.moves = 0  # times the live pool moved its rows down
     self.slots: list[_Slot | None] = [None] * self.rows
     self._carried = None
 
@@ -192,15 +198,37 @@ class SlotPool:
         new["places"], packed_rows = places, self.packed_rows(k)
     return self.layout.eval_batch(new), packed_rows
 
+  def _bucket(self, rows: int) -> int:
+    """The smallest segment that runs `rows` slots of each part."""
+    return next(b for b in self.k_buckets if b >= rows)
+
+  def _move_down(self) -> None:
+    """Moves each part's live rows to its lowest slots (their order kept) where that lets the
+    next segment run a smaller bucket: rows, caches and settings go with them."""
+    per_part = self.rows_per_part
+    parts = [range(p * per_part, (p + 1) * per_part) for p in range(self.parts)]
+    live = [[i for i in part if self.slots[i] is not None] for part in parts]
+    last = max(i % per_part for part in live for i in part)
+    if not self.moves_compiled or self._bucket(max(map(len, live))) >= self._bucket(last + 1):
+      return
+    order = [i for part, rows in zip(parts, live) for i in rows + [
+        j for j in part if self.slots[j] is None]]  # new slot -> the slot it comes from
+    sources = np.asarray([i % per_part for i in order], np.int32)
+    self._carried, _ = self._move(self._params(), self._carried,
+                                  self.layout.eval_batch({"sources": sources}))
+    self.slots = [self.slots[i] for i in order]
+    self.moves += 1
+
   def advance(self) -> list[tuple[Any, batch_decoder.Output]]:
     """One segment of every live row; streaming rows get their tokens so far. Returns the
     (handle, output) of each row that finished, whose slot is free again."""
+    self._move_down()
     settings = batch_decoder.settings(
         [dataclasses.replace(slot.row, max_tokens=slot.limit) if slot else
          batch_decoder.Row(np.zeros((1,), np.int32)) for slot in self.slots], self.rows)
     per_part = self.rows_per_part
     last = max(i % per_part for i, slot in enumerate(self.slots) if slot is not None)
-    k = next(b for b in self.k_buckets if b > last)
+    k = self._bucket(last + 1)
     self._carried, progress = self._advance[k](self._params(), self._carried,
                                                self.layout.eval_batch(settings))
     progress = self.layout.host_rows(progress)  # [parts * k]: each part's first k slots
@@ -253,8 +281,19 @@ class SlotPool:
       if packed_rows:  # any places compile it (the scratch pool's rows are never read)
         new["places"] = self.layout.eval_batch(np.zeros((self.parts * k, 2), np.int32))
       scratch[0] = self._refill(scratch[0], new, shape)
+      if shape == every[0]:  # the move, once (the server compiles this shape first)
+        scratch[0], _ = self._move(self._params(), scratch[0], self.layout.eval_batch(
+            {"sources": np.arange(self.rows, dtype=np.int32) % self.rows_per_part}))
+        self.moves_compiled = True
       if shape == (length, k, 0) and length == every[0][0]:  # each segment size once
         scratch[0], _ = self._advance[k](self._params(), scratch[0], self.layout.eval_batch(
             batch_decoder.settings([], self.rows)))
 
     return batch_decoder.each_shape(every, shapes, progress, stop, compile_one)
+
+
+def _move_rows(params, carried, order):
+  """carried (every leaf's first axis a slot) with slot i holding what slot
+  order['sources'][i] held."""
+  del params
+  return jax.tree.map(lambda x: x[order["sources"]], carried), {}
