@@ -71,13 +71,11 @@ class Engine:
     self._queue.put(None)
     self._thread.join()
 
-  def _take(self, limit: int, first_wait: float | None = None) -> list | None:
-    """The next rows: the first waiting row (None once closed), waited for `first_wait`
-    seconds (None: until one comes; [] when none came), then up to `limit` within max_wait
-    of it."""
+  def _take(self, limit: int, block: bool = True) -> list | None:
+    """The next rows: the first waiting row (None once closed; without `block`, [] when none
+    waits), then up to `limit` within max_wait of it."""
     try:
-      first = (self._queue.get(timeout=first_wait) if first_wait else
-               self._queue.get(block=first_wait is None))
+      first = self._queue.get(block=block)
     except queue.Empty:
       return []
     if first is None:
@@ -116,24 +114,18 @@ class Engine:
   def _continuous_loop(self) -> None:
     """Rows enter the pool's free slots between segments; each is answered as it finishes.
     Once closed, the rows in the pool finish first."""
-    pool, closing, answered = self.pool, False, False
+    pool, closing = self.pool, False
     while not closing or pool.live():
       if not closing and pool.free():
-        # Wait for a row while the pool is idle. Else take what waits now, or, where the last
-        # segment answered rows, what comes within max_wait: a client that sends its next
-        # request once answered (an evaluation harness, a benchmark's workers) then gets the
-        # freed slot at once, not a segment later.
-        first_wait = None if not pool.live() else self.max_wait if answered else 0
-        taken = self._take(pool.free(), first_wait)
+        # Wait for a row only while the pool is idle; else take what waits now.
+        taken = self._take(pool.free(), block=not pool.live())
         closing = taken is None
         live = [(row, f) for row, f in taken or [] if f.set_running_or_notify_cancel()]
         if live:
           self._pool_call(pool.admit, [row for row, _ in live], [f for _, f in live])
-      answered = False
       if pool.live():
         for future, output in self._pool_call(pool.advance) or []:
           future.set_result(output)
-          answered = True
 
   def _pool_call(self, call, *args):
     """A pool call; where it fails, every row in the pool fails with it (the pool starts
