@@ -117,6 +117,8 @@ def fused_score(score, output_layer: Callable[[Any, Array], Array], params, stat
 
   def backward(grads, cotangent):
     scale = jax.tree.leaves(cotangent)[0]  # the loss's; the metrics are not differentiated
+    if isinstance(scale, jax.custom_derivatives.SymbolicZero):  # the loss not differentiated
+      return None, None, None, None, [None] * len(closed)
     read_grads, state_grads = jax.tree.map(lambda g: (scale * g).astype(g.dtype), grads)
     return read_grads, state_grads, None, None, [None] * len(closed)
 

@@ -154,11 +154,12 @@ def recomputed_in_backward(apply, x: jax.Array, frozen: Any) -> jax.Array:
 
 
 def _once_ready(operand: jax.Array, frozen: Any) -> Any:
-  """`frozen` with its float leaves (scales) made to depend on `operand`: the same values, NaN
-  where `operand` is (as autodiff would give), so that XLA dequantizes a kernel only when the
-  product's other operand exists. Otherwise XLA:CPU computes every layer's float copy at the
-  start of the step and keeps them all, and merges the backward pass's dequantization with the
-  forward pass's (an optimization barrier does not stop it)."""
+  """`frozen` with its float leaves (scales) made to depend on `operand`, so that XLA
+  dequantizes a kernel only when the product's other operand exists. Otherwise XLA:CPU
+  computes every layer's float copy at the start of the step and keeps them all, and merges
+  the backward pass's dequantization with the forward pass's (an optimization barrier does
+  not stop it). The same values, unless `operand`'s first value is NaN: then all NaN (the
+  step's loss or gradients are NaN then anyway, and the step is refused)."""
   nan = jnp.isnan(operand.reshape(-1)[0])
   return jax.tree.map(lambda v: jnp.where(nan, jnp.nan, v).astype(v.dtype)
                       if jnp.issubdtype(v.dtype, jnp.inexact) else v, frozen)
@@ -227,7 +228,8 @@ class Int8Table:
     multiplying y by the int8 values in y's dtype, each logit then scaled. Differentiated (a
     QLoRA step), the values are converted a block of rows at a time, forward and backward, so
     that no converted copy of the whole table (545 MB in float32 for Qwen2.5's 151,936 x 896)
-    lives through the step; decoding converts it whole, the faster way on the CPU."""
+    lives through the step; decoding and evaluation convert it whole, the faster way on the
+    CPU."""
     return _table_logits(y, self.values, self.scales, dot)
 
 
@@ -280,9 +282,11 @@ def _blockwise_logits_backward(dot, residuals, grads):
 
   def add_block(i, y_grad):
     start, fresh = _table_blocks(values, i, block)
-    part = jax.lax.dynamic_slice_in_dim(values, start, block).astype(y.dtype)
+    # float32 products (the block budget counts 4 bytes a value): a bfloat16 model's
+    # gradient is not rounded before its sum over the vocabulary.
+    part = jax.lax.dynamic_slice_in_dim(values, start, block).astype(jnp.float32)
     part_grads = jnp.where(fresh, jax.lax.dynamic_slice_in_dim(grads, start, block, axis=-1), 0)
-    return y_grad + dot(part_grads.astype(y.dtype), part, dims)
+    return y_grad + dot(part_grads, part, dims)
 
   y_grad = jax.lax.fori_loop(0, -(-rows // block), add_block, jnp.zeros(y.shape, jnp.float32))
   return y_grad.astype(y.dtype), None, None

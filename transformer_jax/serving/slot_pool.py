@@ -69,8 +69,10 @@ class SlotPool:
     self._advance = {k: self.layout.compile_decode_steps(functools.partial(advance, live=k))
                      for k in self.k_buckets}
     # Where few rows are left in high slots (the end of a burst), they move to the lowest
-    # slots, so that their segments run a smaller bucket; once `warm_up` has compiled it.
-    self._move = self.layout.compile_decode_steps(_move_rows)
+    # slots, so that their segments run a smaller bucket: one compiled move per bucket they
+    # can move into, used once `warm_up` has compiled them all.
+    self._move = {k: self.layout.compile_decode_steps(functools.partial(_move_rows, slots=k))
+                  for k in self.k_buckets[:-1]}
     self.moves_compiled = False
     self.moves = 0  # times the live pool moved its rows down
     self.slots: list[_Slot | None] = [None] * self.rows
@@ -209,13 +211,14 @@ class SlotPool:
     parts = [range(p * per_part, (p + 1) * per_part) for p in range(self.parts)]
     live = [[i for i in part if self.slots[i] is not None] for part in parts]
     last = max(i % per_part for part in live for i in part)
-    if not self.moves_compiled or self._bucket(max(map(len, live))) >= self._bucket(last + 1):
+    k = self._bucket(max(map(len, live)))
+    if not self.moves_compiled or k >= self._bucket(last + 1):
       return
     order = [i for part, rows in zip(parts, live) for i in rows + [
         j for j in part if self.slots[j] is None]]  # new slot -> the slot it comes from
     sources = np.asarray([i % per_part for i in order], np.int32)
-    self._carried, _ = self._move(self._params(), self._carried,
-                                  self.layout.eval_batch({"sources": sources}))
+    self._carried, _ = self._move[k](self._params(), self._carried,
+                                     self.layout.eval_batch({"sources": sources}))
     self.slots = [self.slots[i] for i in order]
     self.moves += 1
 
@@ -281,9 +284,11 @@ class SlotPool:
       if packed_rows:  # any places compile it (the scratch pool's rows are never read)
         new["places"] = self.layout.eval_batch(np.zeros((self.parts * k, 2), np.int32))
       scratch[0] = self._refill(scratch[0], new, shape)
-      if shape == every[0]:  # the move, once (the server compiles this shape first)
-        scratch[0], _ = self._move(self._params(), scratch[0], self.layout.eval_batch(
-            {"sources": np.arange(self.rows, dtype=np.int32) % self.rows_per_part}))
+      if shape == every[0]:  # the moves, once (the server compiles this shape first)
+        sources = np.arange(self.rows, dtype=np.int32) % self.rows_per_part
+        for move in self._move.values():
+          scratch[0], _ = move(self._params(), scratch[0],
+                               self.layout.eval_batch({"sources": sources}))
         self.moves_compiled = True
       if shape == (length, k, 0) and length == every[0][0]:  # each segment size once
         scratch[0], _ = self._advance[k](self._params(), scratch[0], self.layout.eval_batch(
@@ -292,8 +297,10 @@ class SlotPool:
     return batch_decoder.each_shape(every, shapes, progress, stop, compile_one)
 
 
-def _move_rows(params, carried, order):
-  """carried (every leaf's first axis a slot) with slot i holding what slot
-  order['sources'][i] held."""
+def _move_rows(params, carried, order, slots: int):
+  """carried (every leaf's first axis a slot) with each of its first `slots` slots i holding
+  what slot order['sources'][i] held (the others as they were: only the moved rows are
+  copied, the rest is updated in place)."""
   del params
-  return jax.tree.map(lambda x: x[order["sources"]], carried), {}
+  sources = order["sources"][:slots]
+  return jax.tree.map(lambda x: x.at[:slots].set(x[sources]), carried), {}
