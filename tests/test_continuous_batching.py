@@ -5,12 +5,17 @@ both sequence families), and a short request that arrives while a long one decod
 first."""
 
 import concurrent.futures
+import json
+import subprocess
+import sys
 import threading
 
 import numpy as np
 import pytest
 
+from tests import cli
 from tests import hf_fixtures
+from tests.conftest import ROOT
 from tests.test_serving_stream import _one_call
 from transformer_jax import default_config
 from transformer_jax import predict
@@ -114,6 +119,54 @@ def test_rows_left_in_high_slots_move_down_and_decode_as_each_alone(decoder):
   for i, (ids, logprobs) in enumerate(_one_call(decoder, rows)):
     np.testing.assert_array_equal(outputs[i].ids, ids)
     np.testing.assert_allclose(outputs[i].logprobs, logprobs, atol=5e-5)
+
+
+_MOVE_SCRIPT = r"""
+import copy, json, os, sys
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=4")
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+from tests import cli
+from tests import hf_fixtures
+from tests.test_continuous_batching import _rows
+from tests.test_serving_stream import _one_call
+from transformer_jax import default_config, predict
+from transformer_jax.serving import batch_decoder, slot_pool
+
+folder = hf_fixtures.tiny_model("llama", sys.argv[2])
+results = {}
+for mode in ("pmap", "jit"):
+  config = default_config.get_config()
+  config.max_source_length, config.max_target_length = 16, 64
+  config.parallel.update(mode=mode, data=2, fsdp=2, tensor=1)
+  decoder = batch_decoder.BatchDecoder(predict.Predictor.from_pretrained(folder, config), 8,
+                                       stream_steps=4)
+  pool = slot_pool.SlotPool(decoder)
+  every = _rows(decoder)
+  # Under pmap each device holds two slots: a short row, then a long one.
+  rows = [copy.copy(every[i]) for i in (1, 0, 4, 3, 1, 2, 4, 5)]
+  for i, row in enumerate(rows):
+    row.max_tokens, row.prompt_index = min(row.max_tokens, 24), i
+  pool.warm_up(shapes=pool.shapes()[:1])
+  pool.admit(rows, list(range(8)))
+  outputs = {}
+  while pool.live():
+    outputs.update(pool.advance())
+  results[mode] = {"moves": pool.moves, "same": all(
+      np.array_equal(outputs[i].ids, ids) for i, (ids, _) in enumerate(_one_call(decoder, rows)))}
+print(json.dumps(results))
+"""
+
+
+def test_rows_move_down_under_pmap_and_the_mesh(tmp_path):
+  """The same on four devices: under pmap (two slots per device, each moving within its
+  own) and over a 2 x 2 data x fsdp mesh (one program), outputs equal one-call decoding."""
+  result = subprocess.run([sys.executable, "-c", _MOVE_SCRIPT, ROOT, str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, env=cli.env())
+  assert result.returncode == 0, result.stderr[-3000:]
+  results = json.loads(result.stdout.splitlines()[-1])
+  assert results == {"pmap": {"moves": 1, "same": True}, "jit": {"moves": 1, "same": True}}
 
 
 def test_a_short_request_arriving_mid_decode_finishes_first(decoder):
