@@ -163,7 +163,7 @@ def test_rows_move_down_under_pmap_and_the_mesh(tmp_path):
   """The same on four devices: under pmap (two slots per device, each moving within its
   own) and over a 2 x 2 data x fsdp mesh (one program), outputs equal one-call decoding."""
   result = subprocess.run([sys.executable, "-c", _MOVE_SCRIPT, ROOT, str(tmp_path)],
-                          capture_output=True, text=True, timeout=600, env=cli.env())
+                          capture_output=True, text=True, timeout=600, env=cli.env(), check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   results = json.loads(result.stdout.splitlines()[-1])
   assert results == {"pmap": {"moves": 1, "same": True}, "jit": {"moves": 1, "same": True}}
