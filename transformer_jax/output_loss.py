@@ -91,13 +91,16 @@ def fused_score(score, output_layer: Callable[[Any, Array], Array], params, stat
                if leaf.perturbed and jnp.issubdtype(leaf.value.dtype, jnp.inexact)]
     read, states, labels, weights, closed = jax.tree.map(
         lambda leaf: leaf.value, (read, states, labels, weights, closed))
-    with_trained = lambda values: [values[trained.index(i)] if i in trained else leaf
-                                   for i, leaf in enumerate(read)]
+
+    def with_trained(values, others):
+      """`others`, its trained entries replaced by `values` (one per trained leaf, in order)."""
+      values = iter(values)
+      return [next(values) if i in trained else other for i, other in enumerate(others)]
 
     def add(carry, chunk):
       total, read_grads = carry
       values, pullback = jax.vjp(
-          lambda r, s: one_chunk(with_trained(r), s, *chunk[1:], *closed),
+          lambda r, s: one_chunk(with_trained(r, read), s, *chunk[1:], *closed),
           [read[i] for i in trained], chunk[0])
       seed = jax.tree.leaves(jax.tree.map(jnp.zeros_like, values))
       seed = jax.tree.unflatten(jax.tree.structure(values), [jnp.ones_like(seed[0])] + seed[1:])
@@ -111,9 +114,7 @@ def fused_score(score, output_layer: Callable[[Any, Array], Array], params, stat
         tuple(_split(x, chunk_length) for x in (states, labels, weights)))
     rows, length = states.shape[:2]
     state_grads = jnp.moveaxis(state_grads, 0, 1).reshape(rows, -1, states.shape[2])
-    read_grads = [read_grads[trained.index(i)] if i in trained else None
-                  for i in range(len(read))]
-    return total, (read_grads, state_grads[:, :length])
+    return total, (with_trained(read_grads, [None] * len(read)), state_grads[:, :length])
 
   def backward(grads, cotangent):
     scale = jax.tree.leaves(cotangent)[0]  # the loss's; the metrics are not differentiated

@@ -159,7 +159,7 @@ def _once_ready(operand: jax.Array, frozen: Any) -> Any:
   computes every layer's float copy at the start of the step and keeps them all, and merges
   the backward pass's dequantization with the forward pass's (an optimization barrier does
   not stop it). The same values, unless `operand`'s first value is NaN: then all NaN (the
-  step's loss or gradients are NaN then anyway, and the step is refused)."""
+  step's loss or gradients are NaN then anyway, which stops a run before it saves)."""
   nan = jnp.isnan(operand.reshape(-1)[0])
   return jax.tree.map(lambda v: jnp.where(nan, jnp.nan, v).astype(v.dtype)
                       if jnp.issubdtype(v.dtype, jnp.inexact) else v, frozen)
