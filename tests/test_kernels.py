@@ -1,9 +1,10 @@
-"""The attention kernel table (transformer_jax/model/kernels.py): every kernel that runs here equals
-the reference attention on the masks it claims (the TPU's splash kernel in Pallas interpret
-mode: forward within 1e-5 in float32, gradients within 1e-4, alone, in a model and under the
-jit mesh); 'auto''s choice per platform with the platform forced; a call a named kernel cannot
-take falls back with one log line; a kernel a config cannot run is a one-line error first.
-The GPU kernels (cuDNN, tokamax) are checked on a GPU by tools/gpu_session.sh kernels."""
+"""The attention kernel table (transformer_jax/model/kernels.py): every kernel that runs here
+equals the reference attention on the masks it claims (the TPU's kernels, splash and tokamax's
+Mosaic one, in Pallas interpret mode: forward within 1e-5 in float32, gradients within 1e-4,
+alone, in a model and under the jit mesh); 'auto''s choice per platform with the platform
+forced; a call a named kernel cannot take falls back with one log line; a kernel a config
+cannot run is a one-line error first. The GPU kernels (cuDNN, tokamax's Triton one) are
+checked on a GPU by tools/gpu_session.sh kernels."""
 
 import dataclasses
 import logging
@@ -105,37 +106,72 @@ def test_splash_equals_the_reference(interpreted, case):
     np.testing.assert_allclose(ours, theirs, **GRADIENT)
 
 
-def test_splash_under_the_jit_mesh_equals_the_reference():
+def _prefix_lm_mask():
+  """A prefix LM's mask (an array only: the prefix differs per row): each row's first
+  `prefix` tokens see each other, the rest causally, padding after `length`."""
+  masks = []
+  for prefix, length in ((40, 128), (70, 100)):
+    slots = np.arange(LENGTH)
+    visible = (slots[None, :] <= slots[:, None]) | ((slots[:, None] < prefix)
+                                                    & (slots[None, :] < prefix))
+    masks.append(visible & (slots[:, None] < length) & (slots[None, :] < length))
+  return jnp.asarray(np.stack(masks)[:, None])
+
+
+@pytest.mark.parametrize("case", sorted(CASES) + ["prefix_lm"])
+def test_tokamax_on_the_tpu_equals_the_reference(interpreted, case):
+  """tokamax's Mosaic TPU kernel, interpreted: every mask our models build (a prefix LM's
+  as an array), grouped heads and soft-cap."""
+  qkv, parts, softcap, cotangent = _call("causal_packed" if case == "prefix_lm" else case)
+  mask = _prefix_lm_mask() if case == "prefix_lm" else parts
+  dense = kernels.split_mask(mask)[0]
+  assert kernels.choose("tokamax", kernels.Call.of(qkv[0], qkv[1], mask, softcap=softcap)) \
+      == "tokamax"
+  tokamax = lambda q, k, v: kernels.run("tokamax", q, k, v, mask, softcap=softcap)
+  reference = lambda q, k, v: attention.dot_product_attention(q, k, v, dense, softcap=softcap)
+  real = np.asarray(jnp.any(dense, axis=-1)[:, 0])  # queries that see a key
+  np.testing.assert_allclose(np.asarray(tokamax(*qkv))[real], np.asarray(reference(*qkv))[real],
+                             **FORWARD)
+  loss = lambda fn: lambda *x: jnp.sum(jnp.where(real[:, :, None, None], fn(*x) * cotangent, 0))
+  grads = [jax.grad(loss(fn), argnums=(0, 1, 2))(*qkv) for fn in (tokamax, reference)]
+  for ours, theirs in zip(*grads):
+    np.testing.assert_allclose(ours, theirs, **GRADIENT)
+
+
+def test_tpu_kernels_under_the_jit_mesh_equal_the_reference():
   """Rows over data x fsdp and heads over tensor (2 x 2 x 2 simulated devices, a process of
-  its own), each device's part through shard_map: forward and gradients as the reference."""
+  its own), each device's part through shard_map: splash and tokamax (interpreted), forward
+  and gradients as the reference."""
   env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu",
              **{kernels.INTERPRET_ENV: "1"})
   done = subprocess.run([sys.executable, "-c", "from tests import test_kernels; "
-                         "test_kernels.check_splash_under_the_jit_mesh()"], env=env,
+                         "test_kernels.check_tpu_kernels_under_the_jit_mesh()"], env=env,
                         cwd=ROOT, capture_output=True, text=True, timeout=cli.HANG)
   assert done.returncode == 0, done.stderr[-3000:]
 
 
-def check_splash_under_the_jit_mesh():
+def check_tpu_kernels_under_the_jit_mesh():
   qkv, parts, _, cotangent = _call("grouped_heads")
   twice = lambda x: jnp.concatenate([x, x[::-1]])  # 4 rows: one per data x fsdp shard
   qkv, cotangent = [twice(x) for x in qkv], twice(cotangent)
   parts = jax.tree.map(twice, parts)
   mesh = parallel.make_mesh(data=2, fsdp=2, tensor=2)
   spec = jax.sharding.PartitionSpec(("data", "fsdp"), None, "tensor", None)
-  with jax.set_mesh(mesh):
-    qkv = [jax.device_put(x, jax.sharding.NamedSharding(mesh, spec)) for x in qkv]
-    splash = jax.jit(lambda q, k, v, p: kernels.run("splash", q, k, v, p))
-    out = splash(*qkv, parts)
-    grads = jax.jit(jax.grad(_loss(lambda *x: splash(*x, parts), parts, cotangent),
-                             argnums=(0, 1, 2)))(*qkv)
-  assert len(out.sharding.device_set) == 8
   reference = lambda q, k, v: attention.dot_product_attention(q, k, v, parts.dense)
-  real = np.asarray(parts.query_segments != 0)
-  np.testing.assert_allclose(np.asarray(out)[real], np.asarray(reference(*qkv))[real], **FORWARD)
   expected = jax.grad(_loss(reference, parts, cotangent), argnums=(0, 1, 2))(*qkv)
-  for ours, theirs in zip(grads, expected):
-    np.testing.assert_allclose(ours, theirs, **GRADIENT)
+  real = np.asarray(parts.query_segments != 0)
+  for name in ("splash", "tokamax"):
+    with jax.set_mesh(mesh):
+      sharded = [jax.device_put(x, jax.sharding.NamedSharding(mesh, spec)) for x in qkv]
+      kernel = jax.jit(lambda q, k, v, p, name=name: kernels.run(name, q, k, v, p))
+      out = kernel(*sharded, parts)
+      grads = jax.jit(jax.grad(_loss(lambda *x, kernel=kernel: kernel(*x, parts), parts,
+                                     cotangent), argnums=(0, 1, 2)))(*sharded)
+    assert len(out.sharding.device_set) == 8
+    np.testing.assert_allclose(np.asarray(out)[real], np.asarray(reference(*qkv))[real],
+                               **FORWARD)
+    for ours, theirs in zip(grads, expected):
+      np.testing.assert_allclose(ours, theirs, **GRADIENT)
 
 
 MODEL = models.TransformerConfig(vocab_size=50, emb_dim=32, num_heads=4, num_layers=2,
@@ -143,31 +179,36 @@ MODEL = models.TransformerConfig(vocab_size=50, emb_dim=32, num_heads=4, num_lay
                                  attention_dropout_rate=0.0)
 
 
-@pytest.mark.parametrize("family, options", [
-    ("decoder_only", dict(position_embedding="rope", num_kv_heads=2, sliding_window=24,
-                          sliding_window_pattern="LG")),
-    ("encoder_decoder", dict(num_kv_heads=2)),
+@pytest.mark.parametrize("name, family, options", [
+    ("splash", "decoder_only", dict(position_embedding="rope", num_kv_heads=2,
+                                    sliding_window=24, sliding_window_pattern="LG")),
+    ("splash", "encoder_decoder", dict(num_kv_heads=2)),
+    ("tokamax", "decoder_only", dict(position_embedding="rope", num_kv_heads=2,
+                                     prefix_lm=True)),
 ])
-def test_a_model_on_splash_equals_the_reference(interpreted, monkeypatch, family, options):
+def test_a_model_on_a_tpu_kernel_equals_the_reference(interpreted, monkeypatch, name, family,
+                                                      options):
   """Packed rows (two segments and padding) through a whole model: the loss and its
-  gradients, splash (every attention layer's: self, windowed, cross) against the reference."""
+  gradients, the kernel (every attention layer's: self, windowed, cross; a prefix LM's mask
+  through tokamax) against the reference."""
   calls = []
-  splash_kernel = kernels.KERNELS["splash"]
-  counted = lambda *args: calls.append(args[4]) or splash_kernel.run(*args)
-  monkeypatch.setitem(kernels.KERNELS, "splash", dataclasses.replace(splash_kernel, run=counted))
+  kernel = kernels.KERNELS[name]
+  counted = lambda *args: calls.append(args[4]) or kernel.run(*args)
+  monkeypatch.setitem(kernels.KERNELS, name, dataclasses.replace(kernel, run=counted))
   rng = np.random.default_rng(0)
   segmentation = np.stack([_segments((1, 70), (2, 40)), _segments((1, 100))])
   tokens = jnp.asarray(np.where(segmentation > 0, rng.integers(3, 50, segmentation.shape), 0))
   positions = jnp.asarray(np.concatenate(
       [np.concatenate([np.arange(70), np.arange(58)]), np.arange(128)]).reshape(2, LENGTH))
   segmentation = jnp.asarray(segmentation)
+  prefix = (positions < 30) & (tokens != 0)  # each segment's first 30 tokens
 
   def loss(implementation):
     config = MODEL.replace(attention_implementation=implementation, **options)
     if family == "decoder_only":
       model = models.DecoderOnly(config)
       apply = lambda params: model.apply({"params": params}, tokens, positions, segmentation,
-                                         deterministic=True)
+                                         prefix, deterministic=True)
       init = lambda: model.init(jax.random.PRNGKey(1), tokens, deterministic=True)
     else:
       model = models.EncoderDecoder(config)
@@ -180,15 +221,16 @@ def test_a_model_on_splash_equals_the_reference(interpreted, monkeypatch, family
     return params, lambda p: jnp.sum(jnp.where(weights, jax.nn.log_softmax(apply(p)), 0.0))
 
   params, reference = loss("reference")
-  _, splash = loss("splash")
+  _, ours = loss(name)
   calls.clear()  # init's
-  np.testing.assert_allclose(splash(params), reference(params), rtol=1e-5)
-  windows = {parts.window for parts in calls}
+  np.testing.assert_allclose(ours(params), reference(params), rtol=1e-5)
   assert len(calls) == MODEL.num_layers * (1 if family == "decoder_only" else 3)
-  assert windows == ({0, 24} if family == "decoder_only" else {0})
-  for ours, theirs in zip(jax.tree.leaves(jax.grad(splash)(params)),
+  if name == "splash":
+    windows = {parts.window for parts in calls}
+    assert windows == ({0, 24} if family == "decoder_only" else {0})
+  for mine, theirs in zip(jax.tree.leaves(jax.grad(ours)(params)),
                           jax.tree.leaves(jax.grad(reference)(params))):
-    np.testing.assert_allclose(ours, theirs, **GRADIENT)
+    np.testing.assert_allclose(mine, theirs, **GRADIENT)
 
 
 @pytest.mark.parametrize("platform, dtype, queries, has_parts, chosen", [
@@ -198,7 +240,7 @@ def test_a_model_on_splash_equals_the_reference(interpreted, monkeypatch, family
     ("gpu", jnp.bfloat16, 1, False, "reference"),  # a decoding step
     ("tpu", jnp.float32, LENGTH, True, "splash"),
     ("tpu", jnp.float32, LENGTH, False, "tokamax"),  # a prefix LM's mask: an array only
-    ("tpu", jnp.float32, 100, True, "tokamax"),  # not whole splash blocks
+    ("tpu", jnp.float32, 100, True, "reference"),  # not whole 128-blocks
     ("tpu", jnp.float32, 1, False, "reference"),
 ])
 def test_auto_picks_per_platform(platform, dtype, queries, has_parts, chosen):

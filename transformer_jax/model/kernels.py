@@ -102,6 +102,9 @@ class Kernel:
   length_multiple: int = 1  # query and key lengths
   pallas: bool = False
   module: str | None = None  # the package it needs, where that is not jax
+  # What differs on one platform (field: value): a package's kernels per platform are not
+  # the same kernel. Interpreted here, a Pallas kernel is its TPU one.
+  on_platform: dict = dataclasses.field(default_factory=dict)
 
   def refusal(self, call: Call) -> str | None:
     """Why this kernel cannot take `call`, None if it can."""
@@ -109,6 +112,10 @@ class Kernel:
       return f"needs the {self.module} package (pip install {self.module})"
     if call.platform not in self.platforms and not (self.pallas and interpreting()):
       return f"runs on {'/'.join(self.platforms)}, not {call.platform}"
+    kernel_platform = call.platform if call.platform in self.platforms else "tpu"
+    return dataclasses.replace(self, **self.on_platform.get(kernel_platform, {}))._limits(call)
+
+  def _limits(self, call: Call) -> str | None:
     if self.half_precision_only and call.dtype not in (jnp.bfloat16, jnp.float16):
       return f"needs bfloat16 or float16 inputs, not {jnp.dtype(call.dtype).name}"
     if not self.head_dims(call.head_dim):
@@ -182,20 +189,45 @@ def _tokamax(query, key, value, dense, parts, bias, scale, softcap, interpret):
   blockwise, causality (where the parts say so) skipping blocks. (tokamax 0.0.12's Mosaic
   GPU kernel fails under jax 0.11.2 on an H200: "Mesh.__init__() got an unexpected keyword
   argument 'out_shape'", so the GPU takes its Triton kernel.)"""
-  del interpret
   from absl import flags  # pylint: disable=import-outside-toplevel
   import tokamax  # pylint: disable=import-outside-toplevel  # only where it is asked for
   if not flags.FLAGS.is_parsed():
     # tokamax reads its absl flags, parsing sys.argv first if nobody has: a program whose
     # arguments are argparse's would stop there. Its defaults are what we want.
     flags.FLAGS.mark_as_parsed()
-  implementation = "triton" if jax.default_backend() == "gpu" else "mosaic"
-  return _without_empty_rows(
-      lambda mask: tokamax.dot_product_attention(
-          query, key, value, bias=None if bias is None else bias.astype(query.dtype),
-          mask=mask, scale=scale, is_causal=bool(parts and parts.causal),
-          logits_soft_cap=softcap or None, implementation=implementation),
-      query, value, dense, guard=True)
+  causal = bool(parts and parts.causal)
+  attend = lambda q, k, v, mask, implementation: tokamax.dot_product_attention(
+      q, k, v, bias=None if bias is None else bias.astype(q.dtype), mask=mask, scale=scale,
+      is_causal=causal, logits_soft_cap=softcap or None, implementation=implementation)
+  if jax.default_backend() == "gpu":
+    return _without_empty_rows(lambda mask: attend(query, key, value, mask, "triton"),
+                               query, value, dense, guard=True)
+  if interpret:
+    _interpretable_tokamax()
+  groups = query.shape[2] // key.shape[2]
+  # tokamax 0.0.12's Mosaic TPU backward gives wrong key/value gradients for grouped heads
+  # (checked in interpret mode: off by up to 3.5): each query head gets its own copy, whose
+  # gradients the repeat sums back.
+  key, value = (jnp.repeat(x, groups, axis=2) for x in (key, value))
+  # Its Mosaic TPU kernel takes one mask for the whole batch: one call per row.
+  per_row = jax.vmap(lambda q, k, v, mask: attend(q[None], k[None], v[None], mask[None],
+                                                  "mosaic")[0])
+  return _without_empty_rows(lambda mask: per_row(query, key, value, mask), query, value,
+                             dense, guard=True)
+
+
+@functools.lru_cache(maxsize=1)
+def _interpretable_tokamax() -> None:
+  """Lets tokamax's Mosaic TPU attention run here in Pallas interpret mode, for checking only
+  (INTERPRET_ENV): tokamax 0.0.12 has no switch for it, so its splash kernel's default config
+  is made to interpret and its forward and backward ops to accept this platform."""
+  from tokamax._src.ops.attention import pallas_mosaic_tpu, pallas_mosaic_tpu_vjp  # pylint: disable=import-outside-toplevel
+  splash_config = pallas_mosaic_tpu.splash.SplashConfig
+  default = splash_config.get_default
+  splash_config.get_default = lambda: dataclasses.replace(default(), interpret=True)
+  for op in (pallas_mosaic_tpu.PallasMosaicTpuFlashAttention,
+             pallas_mosaic_tpu_vjp.PallasMosaicTpuFlashAttentionVjp):
+    op.supported_on = lambda self, device: True
 
 
 # ----------------------------------------------------------------------------- splash (TPU)
@@ -266,8 +298,11 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
            ("gpu",), _jax_nn("cudnn"), softcap=False, half_precision_only=True,
            head_dims=_CUDNN_HEAD_DIMS, head_dims_text="that is a multiple of 8 up to 256",
            min_queries=2),
-    Kernel("tokamax", "tokamax flash attention (Triton on a GPU, Mosaic TPU): mask "
-           "arrays, bias, soft-cap", ("gpu", "tpu"), _tokamax, min_queries=2, module="tokamax"),
+    Kernel("tokamax", "tokamax flash attention (Triton on a GPU: mask arrays, bias, "
+           "soft-cap; Mosaic TPU: mask arrays (any: prefix LMs too), soft-cap, grouped heads, "
+           "lengths in whole 128-blocks)", ("gpu", "tpu"), _tokamax, min_queries=2,
+           pallas=True, module="tokamax",
+           on_platform={"tpu": dict(bias=False, length_multiple=128)}),
     Kernel("splash", "JAX's splash attention (Pallas TPU): causal / full / sliding-window "
            "masks with segment ids (padding, packing), soft-cap, grouped heads",
            ("tpu",), _splash, dense_masks=False, bias=False, length_multiple=128, pallas=True),
@@ -312,12 +347,10 @@ def run(name: str, query: Array, key: Array, value: Array, mask, *, bias: Array 
   dense, parts = split_mask(mask)
   kernel = KERNELS[name]
   interpret = jax.default_backend() not in kernel.platforms
-  if kernel.pallas and not kernel.dense_masks:
-    return _per_shard(kernel, query, key, value, parts, scale, softcap, interpret)
   if kernel.module is None:
-    return kernel.run(query, key, value, dense, parts, bias, scale, softcap, interpret)
+    return _per_shard(kernel, query, key, value, dense, parts, bias, scale, softcap, interpret)
   try:
-    return kernel.run(query, key, value, dense, parts, bias, scale, softcap, interpret)
+    return _per_shard(kernel, query, key, value, dense, parts, bias, scale, softcap, interpret)
   except Exception as error:  # pylint: disable=broad-except  # the package's own failure
     why = f"failed here ({type(error).__name__}: {str(error).splitlines()[0][:160]})"
     if (name, why) not in _warned:
@@ -327,29 +360,40 @@ def run(name: str, query: Array, key: Array, value: Array, mask, *, bias: Array 
     return None
 
 
-def _per_shard(kernel: Kernel, query: Array, key: Array, value: Array, parts: StructuredMask,
-               scale: float | None, softcap: float, interpret: bool) -> Array:
-  """A Pallas kernel under the jit layout's mesh (jax.set_mesh): XLA cannot split a kernel
-  call, so each device runs it on its own rows (data x fsdp) and heads (tensor, where it
-  divides both the query and the key/value heads), as the layout's rules shard them; no
-  mesh, or one device: the plain call."""
-  call = lambda q, k, v, qs, ks: kernel.run(q, k, v, None, parts.replace(
-      dense=None, query_segments=qs, key_segments=ks), None, scale, softcap, interpret)
+def _per_shard(kernel: Kernel, query: Array, key: Array, value: Array, dense: Array | None,
+               parts: StructuredMask | None, bias: Array | None, scale: float | None,
+               softcap: float, interpret: bool) -> Array:
+  """`kernel` on one call; a Pallas kernel under the jit layout's mesh (jax.set_mesh) on each
+  device's own rows (data x fsdp) and heads (tensor, where it divides both the query and the
+  key/value heads), as the layout's rules shard them, since XLA cannot split a kernel call.
+  Other kernels, no mesh or one device: the plain call."""
+  if parts is not None:  # the array travels once (as `dense`), to the kernels that read it
+    parts = parts.replace(dense=None)
+  if not kernel.dense_masks:
+    dense = None
+  call = lambda q, k, v, dense, parts, bias: kernel.run(q, k, v, dense, parts, bias, scale,
+                                                        softcap, interpret)
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
-    return call(query, key, value, parts.query_segments, parts.key_segments)
+  if not kernel.pallas or mesh.empty or mesh.size == 1:
+    return call(query, key, value, dense, parts, bias)
   sizes = dict(mesh.shape)
   rows = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1)
   if query.shape[0] % int(np.prod([sizes[a] for a in rows])):
     rows = ()
+  rows = rows or None
   tensor = sizes.get("tensor", 1)
   heads = "tensor" if tensor > 1 and not (query.shape[2] % tensor or key.shape[2] % tensor) \
       else None
   P = jax.sharding.PartitionSpec
-  per_head, per_row = P(rows or None, None, heads, None), P(rows or None, None)
-  return jax.shard_map(call, in_specs=(per_head, per_head, per_head, per_row, per_row),
-                       out_specs=per_head, check_vma=False)(
-                           query, key, value, parts.query_segments, parts.key_segments)
+  per_head = P(rows, None, heads, None)  # [b, length, heads, d]
+  # [b|1, h|1, q, k] (a mask's head axis is 1): split where the axis is not broadcast
+  square = lambda x: P(rows if x.shape[0] > 1 else None, heads if x.shape[1] > 1 else None)
+  parts_spec = None if parts is None else parts.replace(
+      dense=None, query_segments=P(rows, None), key_segments=P(rows, None))
+  inputs = (query, key, value, dense, parts, bias)
+  specs = (per_head, per_head, per_head, None if dense is None else square(dense), parts_spec,
+           None if bias is None else square(bias))
+  return jax.shard_map(call, in_specs=specs, out_specs=per_head, check_vma=False)(*inputs)
 
 
 def config_refusal(implementation: str, platform: str | None, *, dtype: str, head_dim: int,
