@@ -1,13 +1,14 @@
 """LoRA against full fine-tuning on the same model, shapes and machine: step time, peak memory,
 optimizer state and what each step's checkpoint holds.
 
-  python benchmarks/compare_lora.py [--model t5-base|qwen2.5-0.5b] [--rank 16]
+  python benchmarks/compare_lora.py [--model t5-base|qwen2.5-0.5b|qwen2.5-1.5b] [--rank 16]
       [--targets all] [--batch_size 8 --seq_len 64 --rounds 3 --steps 2]
 
 Models (random weights, float32 parameters, dropout 0.1): t5-base (223M: d_model 768, 12 + 12
-layers, 12 heads, FFN 3072, T5 v1.0) and qwen2.5-0.5b, Qwen2.5-0.5B's sizes (494M: 24 Llama
+layers, 12 heads, FFN 3072, T5 v1.0), qwen2.5-0.5b, Qwen2.5-0.5B's sizes (494M: 24 Llama
 blocks, d 896, 14 query / 2 key-value heads, SwiGLU 4864, q/k/v biases, vocabulary 151936,
-tied), built as `config.pretrained` would build them (pretrained/t5.py, pretrained/llama.py).
+tied) and qwen2.5-1.5b, Qwen2.5-1.5B's (1.54B: 28 blocks, d 1536, 12 / 2 heads, SwiGLU
+8960), built as `config.pretrained` would build them (pretrained/t5.py, pretrained/llama.py).
 Variants, each in a process of its own, taking turns (--rounds of --steps steps each):
   full         every weight trained (Adam moments for all of them);
   lora         rank --rank adapters on --targets (config.lora), the base frozen in float32;
@@ -46,8 +47,10 @@ QWEN25_05B = dict(model_type="qwen2", vocab_size=151936, hidden_size=896,
                   num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0,
                   rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643,
                   eos_token_id=151643)
+QWEN25_15B = dict(QWEN25_05B, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                  num_attention_heads=12)
 MODELS = {"t5-base": dict(T5_SMALL, d_model=768, d_ff=3072, num_layers=12, num_heads=12),
-          "qwen2.5-0.5b": QWEN25_05B}
+          "qwen2.5-0.5b": QWEN25_05B, "qwen2.5-1.5b": QWEN25_15B}
 # The frozen base's config.lora.base_dtype per LoRA variant.
 BASE_DTYPES = {"lora": "float32", "lora_bf16": "bfloat16", "lora_int8": "int8",
                "lora_int4": "int4", "lora_int8e": "int8", "lora_int4e": "int4"}

@@ -312,7 +312,8 @@ IMPLEMENTATIONS = ("auto",) + tuple(KERNELS)
 # What 'auto' tries per backend (jax.default_backend()), first one that takes the call, else
 # the reference. GPU: on an H100, cuDNN made the Transformer-base step 21% faster than 'xla'
 # (benchmarks/RESULTS.md, GPU section). TPU: splash, as MaxText runs it (the reference would
-# hold every [heads, length, length] score). CPU: the reference, on which the CPU's decoding
+# hold every [heads, length, length] score), then tokamax's Mosaic kernel for the calls splash
+# cannot take (a prefix LM's mask, which has no parts). CPU: the reference, on which the CPU's decoding
 # speed and every exactness test were measured.
 AUTO_ORDER: dict[str, tuple[str, ...]] = {"gpu": ("cudnn",), "tpu": ("splash", "tokamax")}
 
