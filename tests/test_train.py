@@ -9,6 +9,7 @@ import pytest
 
 from transformer_jax import checkpoints
 from transformer_jax import commands
+from transformer_jax import main
 from transformer_jax import predict
 from transformer_jax import train
 from transformer_jax import workdir as workdir_lib
@@ -145,3 +146,17 @@ def test_token_metrics_count_a_token_correct_when_argmax_picks_its_target():
   assert float(sums["accuracy"]) == 1.0 and float(sums["denominator"]) == 3.0
   plain = -jax.nn.log_softmax(logits)[0, jnp.arange(4), targets[0]]
   np.testing.assert_allclose(sums["loss"], jnp.sum(plain * weights[0]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("before, after", [
+    (None, main.CPU_MEMORY_SCHEDULER),
+    ("--xla_force_host_platform_device_count=8",
+     "--xla_force_host_platform_device_count=8 " + main.CPU_MEMORY_SCHEDULER),
+    ("--xla_cpu_enable_concurrency_optimized_scheduler=true",  # the user's choice stands
+     "--xla_cpu_enable_concurrency_optimized_scheduler=true"),
+])
+def test_training_schedules_xla_cpu_for_memory_unless_the_user_chose(before, after):
+  environ = {} if before is None else {"XLA_FLAGS": before}
+  for _ in range(2):  # once only
+    main.schedule_cpu_for_memory(environ)
+    assert environ["XLA_FLAGS"] == after
