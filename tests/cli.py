@@ -87,7 +87,8 @@ def main_in_process(monkeypatch, *args: str, stdin: str = "") -> tuple[int, str]
   argv = ["transformer_jax.main", *args]
   monkeypatch.setattr(sys, "argv", argv)  # config_flags reads its overrides there
   monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode())))
-  # Training adds its XLA:CPU flag to the environment: kept from the processes tests start.
+  # Training adds its XLA:CPU flag to XLA_FLAGS: restored afterwards, so that the processes
+  # later tests start do not inherit it.
   monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
   handler, was_parsed = logging.get_absl_handler(), flags.FLAGS.is_parsed()
   filters, level = list(handler.filters), logging.get_absl_logger().level

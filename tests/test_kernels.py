@@ -142,6 +142,23 @@ def test_tokamax_on_the_tpu_equals_the_reference(interpreted, case):
     np.testing.assert_allclose(ours, theirs, **GRADIENT)
 
 
+@pytest.mark.parametrize("implementation, options", [
+    ("tokamax", dict(prefix_lm=True)),  # on a TPU its mask arrays take a prefix LM
+    ("splash", {}),
+])
+def test_a_tpu_kernel_the_config_can_run_passes(implementation, options):
+  assert kernels.config_refusal(implementation, "tpu", dtype="float32", head_dim=64,
+                                relative_bias=False, softcap=False,
+                                prefix_lm=options.get("prefix_lm", False)) is None
+
+
+@TOKAMAX_TPU_HERE
+def test_tokamax_on_the_tpu_without_a_mask_equals_the_reference(interpreted):
+  qkv, _, _, _ = _call("grouped_heads")
+  np.testing.assert_allclose(kernels.run("tokamax", *qkv, None),
+                             attention.dot_product_attention(*qkv, None), **FORWARD)
+
+
 def test_tpu_kernels_under_the_jit_mesh_equal_the_reference():
   """Rows over data x fsdp and heads over tensor (2 x 2 x 2 simulated devices, a process of
   its own), each device's part through shard_map: splash and tokamax (interpreted), forward
@@ -197,7 +214,12 @@ def test_a_model_on_a_tpu_kernel_equals_the_reference(interpreted, monkeypatch, 
   through tokamax) against the reference."""
   calls = []
   kernel = kernels.KERNELS[name]
-  counted = lambda *args: calls.append(args[4]) or kernel.run(*args)
+
+  def counted(*args):  # a call that ran (one that failed and fell back is not counted)
+    out = kernel.run(*args)
+    calls.append(args[4])
+    return out
+
   monkeypatch.setitem(kernels.KERNELS, name, dataclasses.replace(kernel, run=counted))
   rng = np.random.default_rng(0)
   segmentation = np.stack([_segments((1, 70), (2, 40)), _segments((1, 100))])
@@ -296,6 +318,7 @@ def test_a_kernel_package_that_fails_here_falls_back_with_one_log_line(monkeypat
     ("splash", dict(position_embedding="relative"), "tpu", "takes no score bias"),
     ("splash", dict(prefix_lm=True), "tpu", "a prefix LM's mask (per-row prefixes)"),
     ("xla", dict(attention_softcap=5.0), "gpu", "'xla' has no score soft-capping"),
+    ("tokamax", dict(position_embedding="relative"), "tpu", "'tokamax' takes no score bias"),
 ])
 def test_a_kernel_the_config_cannot_run_is_one_line_before_compiling(
     tiny_config, monkeypatch, implementation, options, platform, message):

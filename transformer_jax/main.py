@@ -96,9 +96,10 @@ class _QuietLibraries(std_logging.Filter):
 # XLA:CPU's default scheduler runs independent work early and keeps its results: while a
 # training state is created, every float32 weight beside its quantized copy; in the step, the
 # rematerialised layers and a quantized base's dequantized kernels. Scheduled for memory, LoRA
-# over an int4 base at Qwen2.5-1.5B's sizes peaks at 6.2 GB instead of 19 GB, at the same step
-# time (benchmarks/RESULTS.md). Only the CPU backend reads the flag; a user's own XLA_FLAGS
-# setting of it wins.
+# over an int4 base (int8 embedding) at Qwen2.5-1.5B's sizes peaks at 6.2 GB instead of 19 GB
+# (compare_lora.py), and a 0.5B-size one through this command at 6.3 instead of 9.5 GB, at the
+# same step time (benchmarks/RESULTS.md). Only the CPU backend reads the flag; a user's own
+# XLA_FLAGS setting of it wins.
 CPU_MEMORY_SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 

@@ -103,8 +103,14 @@ class Kernel:
   pallas: bool = False
   module: str | None = None  # the package it needs, where that is not jax
   # What differs on one platform (field: value): a package's kernels per platform are not
-  # the same kernel. Interpreted here, a Pallas kernel is its TPU one.
-  on_platform: dict = dataclasses.field(default_factory=dict)
+  # the same kernel.
+  on_platform: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
+
+  def on(self, platform: str) -> Kernel:
+    """This entry as it is on `platform` (interpreted elsewhere, a Pallas kernel is its TPU
+    one)."""
+    platform = platform if platform in self.platforms else "tpu"
+    return dataclasses.replace(self, **self.on_platform.get(platform, {}))
 
   def refusal(self, call: Call) -> str | None:
     """Why this kernel cannot take `call`, None if it can."""
@@ -112,8 +118,7 @@ class Kernel:
       return f"needs the {self.module} package (pip install {self.module})"
     if call.platform not in self.platforms and not (self.pallas and interpreting()):
       return f"runs on {'/'.join(self.platforms)}, not {call.platform}"
-    kernel_platform = call.platform if call.platform in self.platforms else "tpu"
-    return dataclasses.replace(self, **self.on_platform.get(kernel_platform, {}))._limits(call)
+    return self.on(call.platform)._limits(call)
 
   def _limits(self, call: Call) -> str | None:
     if self.half_precision_only and call.dtype not in (jnp.bfloat16, jnp.float16):
@@ -207,11 +212,13 @@ def _tokamax(query, key, value, dense, parts, bias, scale, softcap, interpret):
   groups = query.shape[2] // key.shape[2]
   # tokamax 0.0.12's Mosaic TPU backward gives wrong key/value gradients for grouped heads
   # (checked in interpret mode: off by up to 3.5): each query head gets its own copy, whose
-  # gradients the repeat sums back.
+  # gradients the repeat sums back (the group's factor more key/value memory in the call).
   key, value = (jnp.repeat(x, groups, axis=2) for x in (key, value))
   # Its Mosaic TPU kernel takes one mask for the whole batch: one call per row.
-  per_row = jax.vmap(lambda q, k, v, mask: attend(q[None], k[None], v[None], mask[None],
-                                                  "mosaic")[0])
+  def one_row(q, k, v, mask):
+    return attend(q[None], k[None], v[None], None if mask is None else mask[None], "mosaic")[0]
+
+  per_row = jax.vmap(one_row, in_axes=(0, 0, 0, None if dense is None else 0))
   return _without_empty_rows(lambda mask: per_row(query, key, value, mask), query, value,
                              dense, guard=True)
 
@@ -299,9 +306,9 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
            head_dims=_CUDNN_HEAD_DIMS, head_dims_text="that is a multiple of 8 up to 256",
            min_queries=2),
     Kernel("tokamax", "tokamax flash attention (Triton on a GPU: mask arrays, bias, "
-           "soft-cap; Mosaic TPU: mask arrays (any: prefix LMs too), soft-cap, grouped heads, "
-           "lengths in whole 128-blocks)", ("gpu", "tpu"), _tokamax, min_queries=2,
-           pallas=True, module="tokamax",
+           "soft-cap; Mosaic on a TPU v5 or later: mask arrays (any: prefix LMs too), "
+           "soft-cap, grouped heads, lengths in whole 128-blocks)", ("gpu", "tpu"), _tokamax,
+           min_queries=2, pallas=True, module="tokamax",
            on_platform={"tpu": dict(bias=False, length_multiple=128)}),
     Kernel("splash", "JAX's splash attention (Pallas TPU): causal / full / sliding-window "
            "masks with segment ids (padding, packing), soft-cap, grouped heads",
@@ -312,9 +319,9 @@ IMPLEMENTATIONS = ("auto",) + tuple(KERNELS)
 # What 'auto' tries per backend (jax.default_backend()), first one that takes the call, else
 # the reference. GPU: on an H100, cuDNN made the Transformer-base step 21% faster than 'xla'
 # (benchmarks/RESULTS.md, GPU section). TPU: splash, as MaxText runs it (the reference would
-# hold every [heads, length, length] score), then tokamax's Mosaic kernel for the calls splash
-# cannot take (a prefix LM's mask, which has no parts). CPU: the reference, on which the CPU's decoding
-# speed and every exactness test were measured.
+# hold every [heads, length, length] score), then tokamax's Mosaic kernel (checked in interpret
+# mode only) for the calls splash cannot take (a prefix LM's mask, which has no parts). CPU:
+# the reference, on which the CPU's decoding speed and every exactness test were measured.
 AUTO_ORDER: dict[str, tuple[str, ...]] = {"gpu": ("cudnn",), "tpu": ("splash", "tokamax")}
 
 _warned: set[tuple[str, str]] = set()
@@ -405,8 +412,9 @@ def config_refusal(implementation: str, platform: str | None, *, dtype: str, hea
   if implementation == "auto" or implementation not in KERNELS:
     return None
   kernel = KERNELS[implementation]
-  length = max(kernel.min_queries, kernel.length_multiple)  # some call the kernel takes
-  call = Call(platform or kernel.platforms[0], jnp.dtype(dtype), length, length, 1, 1, head_dim,
+  platform = platform or kernel.platforms[0]
+  length = max(kernel.min_queries, kernel.on(platform).length_multiple)  # a call it takes
+  call = Call(platform, jnp.dtype(dtype), length, length, 1, 1, head_dim,
               None if prefix_lm else _ANY_PARTS, relative_bias, softcap)
   why = kernel.refusal(call)
   if why is None:
