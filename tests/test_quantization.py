@@ -3,6 +3,9 @@ kernels through qwix, how close they stay to the float model, the same outputs o
 layout, and bad settings refused in one line before anything is read or compiled."""
 
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -11,6 +14,7 @@ import pytest
 from tests import cli
 from tests import hf_fixtures
 from tests.conftest import make_tiny_config
+from tests.conftest import xla_flags
 from transformer_jax import commands
 from transformer_jax import config_validation
 from transformer_jax import default_config
@@ -24,6 +28,8 @@ from transformer_jax.model import lora as lora_lib
 from transformer_jax.model import quantization
 from transformer_jax.pretrained import checkpoint as checkpoint_lib
 from transformer_jax.pretrained import export
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TEXTS = hf_fixtures.model_sentences("en", 12)
 
@@ -175,11 +181,14 @@ def _qlora_config(folder, data_cache, steps, base_dtype="int8"):
   return config
 
 
-def test_an_int8_table_multiplies_a_block_of_rows_at_a_time(monkeypatch):
+@pytest.mark.parametrize("shards", [1, 2])
+def test_an_int8_table_multiplies_a_block_of_rows_at_a_time(monkeypatch, shards):
   """Differentiated, the tied output layer over an int8 table converts blocks of rows (the
-  last overlapping the one before it) in the forward and backward passes: the logits and the
-  states' gradient of the whole table's product."""
+  last overlapping the one before it; with the rows split over 2 devices, blocks of each
+  device's rows) in the forward and backward passes: the logits and the states' gradient of
+  the whole table's product."""
   monkeypatch.setattr(quantization, "_TABLE_BLOCK_BYTES", 4 * 64 * 300)  # blocks of 300 rows
+  monkeypatch.setattr(quantization, "_vocab_shards", lambda rows: shards)
   rng = np.random.default_rng(0)
   table = quantization.int8_table(rng.normal(size=(1000, 64)).astype(np.float32))
   states = rng.normal(size=(2, 5, 64)).astype(np.float32)
@@ -191,6 +200,36 @@ def test_an_int8_table_multiplies_a_block_of_rows_at_a_time(monkeypatch):
   np.testing.assert_allclose(differentiated, whole(states), rtol=1e-5, atol=1e-5)
   gradient = lambda logits: jax.jit(jax.grad(lambda y: (logits(y) * cotangent).sum()))(states)
   np.testing.assert_allclose(gradient(blocks), gradient(whole), rtol=1e-5, atol=1e-4)
+
+
+def test_an_int8_table_split_over_the_tensor_axis_takes_blocks_of_each_devices_rows():
+  """Under a 2 x 2 x 2 jit mesh (a process of its own) with the table's rows split over
+  'tensor', the blockwise logits and the states' gradient equal the whole table's product."""
+  done = subprocess.run([sys.executable, "-c", "from tests import test_quantization; "
+                         "test_quantization.check_a_table_split_over_the_tensor_axis()"],
+                        env=dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu"),
+                        cwd=ROOT, capture_output=True, text=True, timeout=cli.HANG)
+  assert done.returncode == 0, done.stderr[-3000:]
+
+
+def check_a_table_split_over_the_tensor_axis():
+  quantization._TABLE_BLOCK_BYTES = 4 * 64 * 300  # pylint: disable=protected-access  # blocks of 300 rows
+  rng = np.random.default_rng(0)
+  table = quantization.int8_table(rng.normal(size=(1000, 64)).astype(np.float32))
+  states = rng.normal(size=(4, 5, 64)).astype(np.float32)
+  cotangent = rng.normal(size=(4, 5, 1000)).astype(np.float32)
+  whole = lambda y: y @ table.dequantized().T
+  mesh = parallel.make_mesh(data=2, fsdp=2, tensor=2)
+  P = jax.sharding.PartitionSpec
+  with jax.set_mesh(mesh):
+    split = jax.device_put(table, jax.sharding.NamedSharding(mesh, P("tensor", None)))
+    blocks = lambda y: split.logits(y, layers.float32_sum_dot)
+    assert quantization._vocab_shards(1000) == 2  # pylint: disable=protected-access
+    logits = jax.jit(lambda y: jax.vjp(blocks, y)[0])(states)
+    gradient = jax.jit(jax.grad(lambda y: (blocks(y) * cotangent).sum()))(states)
+  np.testing.assert_allclose(logits, whole(states), rtol=1e-5, atol=1e-5)
+  expected = jax.grad(lambda y: (whole(y) * cotangent).sum())(states)
+  np.testing.assert_allclose(gradient, expected, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("base_dtype", ["int8", "int4"])

@@ -237,15 +237,23 @@ class Int8Table:
 _TABLE_BLOCK_BYTES = 32 * 2**20
 
 
-def _block_rows(values: jax.Array) -> int:
-  rows, width = values.shape
+def _block_rows(rows: int, width: int) -> int:
   return min(rows, max(256, _TABLE_BLOCK_BYTES // (4 * width)))
 
 
-def _table_blocks(values: jax.Array, i, block: int):
-  """Block `i` of `block` rows: its first row (the last block ends at the table's end,
+def _vocab_shards(rows: int) -> int:
+  """The devices the table's rows are split over (the jit layout's 'tensor' axis, where it
+  divides them), 1 elsewhere: blocks are taken within each device's rows, so that slicing
+  one never gathers the table across them."""
+  mesh = jax.sharding.get_abstract_mesh()
+  shards = 1 if mesh.empty else dict(mesh.shape).get("tensor", 1)
+  return shards if rows % shards == 0 else 1
+
+
+def _table_blocks(rows: int, i, block: int):
+  """Block `i` of `block` rows among `rows`: its first row (the last block ends at the end,
   overlapping the one before) and its rows that no block before it has (a mask)."""
-  start = jnp.minimum(i * block, values.shape[0] - block)
+  start = jnp.minimum(i * block, rows - block)
   return start, start + jnp.arange(block) >= i * block
 
 
@@ -256,17 +264,21 @@ def _table_logits(y, values, scales, dot):
 
 
 def _blockwise_logits(y, values, scales, dot):
-  rows, block = values.shape[0], _block_rows(values)
-  dims = (((y.ndim - 1,), (1,)), ((), ()))
+  """The logits, a block of each shard's rows at a time: values [shards, rows per shard,
+  width], logits [..., shards, rows per shard] until the end."""
+  shards = _vocab_shards(values.shape[0])
+  values = values.reshape(shards, -1, values.shape[1])
+  rows, block = values.shape[1], _block_rows(values.shape[1], values.shape[2])
+  dims = (((y.ndim - 1,), (2,)), ((), ()))
 
   def add_block(i, logits):
-    start, _ = _table_blocks(values, i, block)
-    part = jax.lax.dynamic_slice_in_dim(values, start, block).astype(y.dtype)
+    start, _ = _table_blocks(rows, i, block)
+    part = jax.lax.dynamic_slice_in_dim(values, start, block, axis=1).astype(y.dtype)
     return jax.lax.dynamic_update_slice_in_dim(logits, dot(y, part, dims), start, axis=-1)
 
-  logits = jnp.zeros(y.shape[:-1] + (rows,), jnp.float32)
+  logits = jnp.zeros(y.shape[:-1] + (shards, rows), jnp.float32)
   logits = jax.lax.fori_loop(0, -(-rows // block), add_block, logits)
-  return logits * scales[:, 0]
+  return logits.reshape(y.shape[:-1] + (shards * rows,)) * scales[:, 0]
 
 
 def _blockwise_logits_forward(y, values, scales, dot):
@@ -274,17 +286,20 @@ def _blockwise_logits_forward(y, values, scales, dot):
 
 
 def _blockwise_logits_backward(dot, residuals, grads):
-  """y's gradient, block by block; the table is frozen (int8): it has none."""
+  """y's gradient, block by block (of each shard's rows); the table is frozen (int8): it has
+  none."""
   y, values, scales = residuals
-  rows, block = values.shape[0], _block_rows(values)
-  grads = grads * scales[:, 0]
-  dims = (((grads.ndim - 1,), (0,)), ((), ()))
+  shards = _vocab_shards(values.shape[0])
+  values = values.reshape(shards, -1, values.shape[1])
+  rows, block = values.shape[1], _block_rows(values.shape[1], values.shape[2])
+  grads = (grads * scales[:, 0]).reshape(grads.shape[:-1] + (shards, rows))
+  dims = (((grads.ndim - 2, grads.ndim - 1), (0, 1)), ((), ()))
 
   def add_block(i, y_grad):
-    start, fresh = _table_blocks(values, i, block)
+    start, fresh = _table_blocks(rows, i, block)
     # float32 products (the block budget counts 4 bytes a value): a bfloat16 model's
     # gradient is not rounded before its sum over the vocabulary.
-    part = jax.lax.dynamic_slice_in_dim(values, start, block).astype(jnp.float32)
+    part = jax.lax.dynamic_slice_in_dim(values, start, block, axis=1).astype(jnp.float32)
     part_grads = jnp.where(fresh, jax.lax.dynamic_slice_in_dim(grads, start, block, axis=-1), 0)
     return y_grad + dot(part_grads, part, dims)
 
