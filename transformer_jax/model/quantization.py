@@ -250,6 +250,13 @@ def _vocab_shards(rows: int) -> int:
   return shards if rows % shards == 0 else 1
 
 
+def _shard_rows(values: jax.Array) -> tuple[jax.Array, int, int]:
+  """`values` [rows, width] as [shards, rows per shard, width] (`_vocab_shards`), the rows
+  per shard and the rows of a block of them."""
+  values = values.reshape(_vocab_shards(values.shape[0]), -1, values.shape[1])
+  return values, values.shape[1], _block_rows(values.shape[1], values.shape[2])
+
+
 def _table_blocks(rows: int, i, block: int):
   """Block `i` of `block` rows among `rows`: its first row (the last block ends at the end,
   overlapping the one before) and its rows that no block before it has (a mask)."""
@@ -266,9 +273,8 @@ def _table_logits(y, values, scales, dot):
 def _blockwise_logits(y, values, scales, dot):
   """The logits, a block of each shard's rows at a time: values [shards, rows per shard,
   width], logits [..., shards, rows per shard] until the end."""
-  shards = _vocab_shards(values.shape[0])
-  values = values.reshape(shards, -1, values.shape[1])
-  rows, block = values.shape[1], _block_rows(values.shape[1], values.shape[2])
+  values, rows, block = _shard_rows(values)
+  shards = values.shape[0]
   dims = (((y.ndim - 1,), (2,)), ((), ()))
 
   def add_block(i, logits):
@@ -289,10 +295,8 @@ def _blockwise_logits_backward(dot, residuals, grads):
   """y's gradient, block by block (of each shard's rows); the table is frozen (int8): it has
   none."""
   y, values, scales = residuals
-  shards = _vocab_shards(values.shape[0])
-  values = values.reshape(shards, -1, values.shape[1])
-  rows, block = values.shape[1], _block_rows(values.shape[1], values.shape[2])
-  grads = (grads * scales[:, 0]).reshape(grads.shape[:-1] + (shards, rows))
+  values, rows, block = _shard_rows(values)
+  grads = (grads * scales[:, 0]).reshape(grads.shape[:-1] + (values.shape[0], rows))
   dims = (((grads.ndim - 2, grads.ndim - 1), (0, 1)), ((), ()))
 
   def add_block(i, y_grad):
