@@ -177,8 +177,9 @@ def test_remat_keeps_the_layers_window_and_gives_the_same_gradients():
   remat_value, remat_grads = jax.jit(jax.value_and_grad(loss(config.replace(remat=True))))(
       params)
   np.testing.assert_allclose(remat_value, value, rtol=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), remat_grads,
-               grads)
+  # The recomputation may sum in another order: a few float32 ulps of the largest gradient.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(
+      a, b, rtol=1e-5, atol=1e-6 * max(1.0, float(np.abs(b).max()))), remat_grads, grads)
 
 
 def test_embedding_scale_in_bfloat16_is_rounded_first():

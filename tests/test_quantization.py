@@ -237,9 +237,13 @@ def test_qlora_gradients_equal_plain_autodiff_through_the_quantized_base(folders
                                                                          base_dtype):
   """The quantized products dequantize their kernel again in the backward pass (so that no
   float copy lives from the forward pass to it): the adapters' and the inputs' gradients are
-  those of plain autodiff through qwix's own products."""
+  those of plain autodiff through qwix's own products, with the layers rematerialised too
+  (config.model.remat: remat.py replays the layers, quantized products included)."""
   import qwix  # pylint: disable=import-outside-toplevel
-  family = families.get(_qlora_config(folders("llama"), data_cache, 1, base_dtype))
+  config = _qlora_config(folders("llama"), data_cache, 1, base_dtype)
+  family = families.get(config)
+  config.model.remat = True
+  rematerialised = families.get(config)
   params = family.init_params(jax.random.PRNGKey(0))
   adapters, base = lora_lib.split(params)
   adapters = jax.tree.map(lambda x: x + 0.1, adapters)  # b != 0: every path carries gradient
@@ -254,11 +258,12 @@ def test_qlora_gradients_equal_plain_autodiff_through_the_quantized_base(folders
     return lambda trained: model.apply({"params": lora_lib.combine(trained, frozen)}, tokens,
                                        deterministic=True).astype(np.float32).std()
 
-  ours, theirs = (jax.jit(jax.grad(loss(m)))(adapters) for m in (family.model, plain))
-  flat_ours, flat_theirs = jax.tree.leaves(ours), jax.tree.leaves(theirs)
-  assert len(flat_ours) == len(flat_theirs) >= 8 and all(np.abs(g).max() > 0 for g in flat_ours)
-  for a, b in zip(flat_ours, flat_theirs):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  theirs = jax.tree.leaves(jax.jit(jax.grad(loss(plain)))(adapters))
+  for model in (family.model, rematerialised.model):
+    ours = jax.tree.leaves(jax.jit(jax.grad(loss(model)))(adapters))
+    assert len(ours) == len(theirs) >= 8 and all(np.abs(g).max() > 0 for g in ours)
+    for a, b in zip(ours, theirs):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,6 @@ and decoder layers, and the stacks of them that every model in models.py shares.
 
 from __future__ import annotations
 
-import inspect
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -13,32 +11,15 @@ from transformer_jax.model import attention
 from transformer_jax.model import kernels
 from transformer_jax.model import kv_cache
 from transformer_jax.model import layers
+from transformer_jax.model import remat
 from transformer_jax.model.schema import TransformerConfig
 
 Array = jax.Array
 
 
-# What a rematerialised layer keeps from its forward pass; the rest is recomputed.
-REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,  # least memory: only layer inputs
-    "dots": jax.checkpoint_policies.dots_saveable,  # matmul outputs kept: no matmul recomputed
-    # matmul outputs without batch dimensions (the projections, not attention scores), so
-    # the [b, h, q, k] scores of long sequences are recomputed rather than stored.
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
 def _remat(layer: type[nn.Module], c: TransformerConfig, static: tuple[str, ...]):
-  """`layer`, rematerialised when `c.remat`; `static`: the names of its `__call__` arguments
-  that must stay Python values (flags such as `deterministic`), passed positionally."""
-  if not c.remat:
-    return layer
-  if c.remat_policy not in REMAT_POLICIES:
-    raise ValueError(f"Unknown remat_policy {c.remat_policy!r}; use one of "
-                     f"{sorted(REMAT_POLICIES)}.")
-  arguments = list(inspect.signature(layer.__call__).parameters)  # self first, as remat counts
-  return nn.remat(layer, static_argnums=tuple(arguments.index(name) for name in static),
-                  policy=REMAT_POLICIES[c.remat_policy])
+  """`layer`, rematerialised when `c.remat` (remat.remat)."""
+  return remat.remat(layer, c.remat_policy, static) if c.remat else layer
 
 
 def residual_stream(x: Array) -> Array:

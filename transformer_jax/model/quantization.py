@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_jax.model import remat
+
 WEIGHT_TYPES = ("none", "int8", "int4")
 _QTYPES = {"int8": jnp.int8, "int4": jnp.int4}
 DEFAULT_INT4_GROUP = 128
@@ -135,14 +137,14 @@ def recomputed_in_backward(apply, x: jax.Array, frozen: Any) -> jax.Array:
   x_like = jax.ShapeDtypeStruct(x.shape, x.dtype)
 
   @jax.custom_vjp
-  def run(x, frozen):
-    return apply(x, frozen)
+  def run(x, frozen):  # also a rematerialised layer's forward pass (remat.py)
+    return apply(x, remat.once_ready(x, frozen))
 
   def forward(x, frozen):
-    return apply(x, _once_ready(x, frozen)), frozen
+    return run(x, frozen), frozen
 
   def backward(frozen, grad):
-    _, transpose = jax.vjp(lambda v: apply(v, _once_ready(grad, frozen)),
+    _, transpose = jax.vjp(lambda v: apply(v, remat.once_ready(grad, frozen)),
                            jnp.zeros(x_like.shape, x_like.dtype))
     no_gradient = jax.tree.map(lambda v: np.zeros(v.shape, jax.dtypes.float0)
                                if not jnp.issubdtype(v.dtype, jnp.inexact)
@@ -151,18 +153,6 @@ def recomputed_in_backward(apply, x: jax.Array, frozen: Any) -> jax.Array:
 
   run.defvjp(forward, backward)
   return run(x, frozen)
-
-
-def _once_ready(operand: jax.Array, frozen: Any) -> Any:
-  """`frozen` with its float leaves (scales) made to depend on `operand`, so that XLA
-  dequantizes a kernel only when the product's other operand exists. Otherwise XLA:CPU
-  computes every layer's float copy at the start of the step and keeps them all, and merges
-  the backward pass's dequantization with the forward pass's (an optimization barrier does
-  not stop it). The same values, unless `operand`'s first value is NaN: then all NaN (the
-  step's loss or gradients are NaN then anyway, which stops a run before it saves)."""
-  nan = jnp.isnan(operand.reshape(-1)[0])
-  return jax.tree.map(lambda v: jnp.where(nan, jnp.nan, v).astype(v.dtype)
-                      if jnp.issubdtype(v.dtype, jnp.inexact) else v, frozen)
 
 
 def quantize_params(params: Any, abstract_quantized: Any) -> Any:

@@ -136,7 +136,7 @@ class TransformerConfig:
   # for inference by config.quantization.embeddings.
   int8_embeddings: bool = False
   remat: bool = False  # recompute each layer's activations in the backward pass
-  remat_policy: str = "full"  # with remat: what is kept (see models.REMAT_POLICIES)
+  remat_policy: str = "full"  # with remat: what is kept (see remat.REMAT_POLICIES)
 
   # ---- Family-specific --------------------------------------------------------------------
   num_classes: int = 2  # classifier outputs
