@@ -205,10 +205,10 @@ def test_an_int8_table_multiplies_a_block_of_rows_at_a_time(monkeypatch, shards)
 def test_an_int8_table_split_over_the_tensor_axis_takes_blocks_of_each_devices_rows():
   """Under a 2 x 2 x 2 jit mesh (a process of its own) with the table's rows split over
   'tensor', the blockwise logits and the states' gradient equal the whole table's product."""
-  done = subprocess.run([sys.executable, "-c", "from tests import test_quantization; "
-                         "test_quantization.check_a_table_split_over_the_tensor_axis()"],
+  done = subprocess.run([sys.executable, "-c", ("from tests import test_quantization; "
+                         "test_quantization.check_a_table_split_over_the_tensor_axis()")],
                         env=dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu"),
-                        cwd=ROOT, capture_output=True, text=True, timeout=cli.HANG)
+                        cwd=ROOT, capture_output=True, text=True, timeout=cli.HANG, check=False)
   assert done.returncode == 0, done.stderr[-3000:]
 
 

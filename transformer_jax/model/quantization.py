@@ -137,7 +137,9 @@ def recomputed_in_backward(apply, x: jax.Array, frozen: Any) -> jax.Array:
   x_like = jax.ShapeDtypeStruct(x.shape, x.dtype)
 
   @jax.custom_vjp
-  def run(x, frozen):  # also a rematerialised layer's forward pass (remat.py)
+  def run(x, frozen):
+    # Also the forward pass of a rematerialised layer (remat.py), which trains: it waits for
+    # x as `forward` does. Decoding was as fast so (benchmarks/quantized_decode.py, 135M).
     return apply(x, remat.once_ready(x, frozen))
 
   def forward(x, frozen):
