@@ -226,7 +226,9 @@ class DecoderStack(nn.Module):
                positions: Array | None = None, prefix_fill: bool = False,
                beams: int = 1) -> Array:
     c = self.config
-    layer = _remat(DecoderLayer, c, static=("deterministic", "decode", "prefix_fill", "beams"))
+    # Decoding takes no gradient: nothing to recompute (the variables are named the same).
+    layer = DecoderLayer if decode else _remat(
+        DecoderLayer, c, static=("deterministic", "decode", "prefix_fill", "beams"))
     num_layers = c.num_decoder_layers or c.num_layers
     local = windowed_layers(c, num_layers)
     # Key positions are needed beside the queries' by a relative bias and a window; while

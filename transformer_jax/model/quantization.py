@@ -138,12 +138,12 @@ def recomputed_in_backward(apply, x: jax.Array, frozen: Any) -> jax.Array:
 
   @jax.custom_vjp
   def run(x, frozen):
-    # Also the forward pass of a rematerialised layer (remat.py), which trains: it waits for
-    # x as `forward` does. Decoding was as fast so (benchmarks/quantized_decode.py, 135M).
-    return apply(x, remat.once_ready(x, frozen))
+    # Not differentiated. In a rematerialised layer (remat.py), which trains, it waits for x
+    # as `forward` does; elsewhere (decoding) one row's NaN must not reach the others.
+    return apply(x, remat.once_ready(x, frozen) if remat.rematerialising() else frozen)
 
   def forward(x, frozen):
-    return run(x, frozen), frozen
+    return apply(x, remat.once_ready(x, frozen)), frozen
 
   def backward(frozen, grad):
     _, transpose = jax.vjp(lambda v: apply(v, remat.once_ready(grad, frozen)),
