@@ -5,8 +5,8 @@ XLA may run any computation as soon as its operands exist. A rematerialised laye
 recomputation depends only on the layer's input and weights, which exist from the forward
 pass on, so XLA:CPU's schedulers (the memory-minimising one too) may recompute layers early
 and keep their activations, which is what remat was meant to avoid: at Qwen2.5-1.5B's widths
-with 16 layers, ten layers' MLP activations were live at once. `once_ready` makes a value
-depend on another one (here: the layer's output gradient) without changing it.
+with 16 layers, seven to ten layers' MLP activations were live at once. `once_ready` makes a
+value depend on another one (here: the layer's output gradient) without changing it.
 """
 
 from __future__ import annotations
