@@ -124,12 +124,13 @@ def _recomputed_after_gradient(apply, static_argnums: tuple[int, ...]):
     finally:
       _TRACING_FORWARD.reset(tracing)
     arguments = tuple(a for i, a in enumerate(args) if i not in static) + (closed.consts,)
+    arguments_tree, output_tree = jax.tree.structure(arguments), jax.tree.structure(shape)
     weights = len(jax.tree.leaves(arguments[:2]))  # leaves of the variables and rngs
 
     def replay(leaves):
-      *leaves, consts = jax.tree.unflatten(jax.tree.structure(arguments), leaves)
+      *leaves, consts = jax.tree.unflatten(arguments_tree, leaves)
       replayed = jax_extend.core.jaxpr_as_fun(jax_extend.core.ClosedJaxpr(closed.jaxpr, consts))
-      return jax.tree.unflatten(jax.tree.structure(shape), replayed(*jax.tree.leaves(leaves)))
+      return jax.tree.unflatten(output_tree, replayed(*jax.tree.leaves(leaves)))
 
     @jax.custom_vjp
     def run(*arguments):
@@ -159,8 +160,7 @@ def _recomputed_after_gradient(apply, static_argnums: tuple[int, ...]):
         grads = [g if i < weights else once_ready(weight_grads, g)
                  for i, g in zip(trained, grads)]
       by_leaf = dict(zip(trained, grads))
-      return jax.tree.unflatten(jax.tree.structure(arguments),
-                                [by_leaf.get(i) for i in range(len(leaves))])
+      return jax.tree.unflatten(arguments_tree, [by_leaf.get(i) for i in range(len(leaves))])
 
     run.defvjp(forward, backward, symbolic_zeros=True)
     return run(*arguments)
