@@ -407,6 +407,41 @@ def test_top_p_keeps_exactly_the_smallest_nucleus():
       np.testing.assert_array_equal(kept, np.array(want, bool))
 
 
+def _kept_by_numpy(row, top_k, top_p):
+  """The tokens a full sort keeps: the top_k best (0: all), then the smallest nucleus."""
+  order = np.argsort(-row, kind="stable")
+  kept = np.zeros(row.shape, bool)
+  kept[order[:top_k or len(row)]] = True
+  if top_p < 1:
+    logits = np.where(kept, row, -np.inf)[order].astype(np.float64)
+    probs = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    kept[order[(np.cumsum(probs) - probs) >= top_p]] = False
+  return kept
+
+
+def test_filters_over_candidates_or_the_whole_vocabulary_keep_the_same_tokens():
+  """A peaked row's nucleus and top_k lie among the CANDIDATES best tokens, a flat row's past
+  them (the full sort): each keeps what a full sort keeps, alone or beside the other."""
+  vocab = 3 * decoding.CANDIDATES
+  rng = np.random.default_rng(0)
+  peaked = rng.normal(size=vocab).astype(np.float32) * 4
+  flat = rng.normal(size=vocab).astype(np.float32) * 0.1
+  cases = [(peaked, 0, 0.9), (flat, 0, 0.9), (peaked, 40, 1.0), (flat, vocab - 9, 1.0),
+           (flat, 0, 1.0), (peaked, 300, 0.5)]
+  for pair in [(0, 1), (0, 4), (2, 3), (4, 5), (1, 3)]:
+    rows = [cases[i] for i in pair]
+    logits = jnp.asarray(np.stack([r for r, _, _ in rows]))
+    top_k = jnp.asarray([k for _, k, _ in rows])
+    top_p = jnp.asarray([p for _, _, p in rows], jnp.float32)
+    together = np.asarray(decoding.filter_logits(logits, top_k, top_p)) > decoding.NEG_INF / 2
+    for i, (row, k, p) in enumerate(rows):
+      alone = decoding.filter_logits(logits[i:i + 1], top_k[i:i + 1], top_p[i:i + 1])
+      np.testing.assert_array_equal(np.asarray(alone[0]) > decoding.NEG_INF / 2, together[i])
+      np.testing.assert_array_equal(together[i], _kept_by_numpy(row, k, p), err_msg=str(pair))
+  # The flat row's nucleus holds most of the vocabulary: past the candidates.
+  assert _kept_by_numpy(flat, 0, 0.9).sum() > decoding.CANDIDATES
+
+
 def test_top_k_keeps_k_best():
   logits = jnp.array([[0.1, 3.0, -1.0, 2.0, 0.5]])
   kept = decoding.filter_logits(logits, top_k=2)[0] > decoding.NEG_INF / 2
