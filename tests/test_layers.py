@@ -1,5 +1,9 @@
 import math
+import re
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -63,3 +67,25 @@ def test_tied_logits_and_its_gradients_match_autodiff():
   for a, b in zip(ours, theirs):
     assert a.shape == b.shape
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_one_part_projection_is_not_copied_on_each_call_of_a_pmapped_loop():
+  """The 'query' kernel [embed, 1, heads, head_dim] read in a decode loop under pmap: with
+  `one_part_dot` XLA reads it in place (its plain dot_general copied it on every call, one
+  copy per layer), and the product is the plain one's."""
+  def loop(dot):
+    dense = nn.DenseGeneral((1, 4, 8), dot_general=dot)
+
+    def run(params, x):
+      step = lambda _, h: h + dense.apply(params, h)[:, 0].reshape(h.shape)
+      return jax.lax.fori_loop(0, jnp.int32(3) + x[0, 0].astype(jnp.int32) * 0, step, x)
+    return jax.pmap(run)
+
+  x = jax.random.normal(jax.random.PRNGKey(0), (1, 2, 32))
+  params = jax.tree.map(lambda p: p[None], nn.DenseGeneral((1, 4, 8)).init(
+      jax.random.PRNGKey(1), x[0]))
+  copied = lambda dot: re.findall(r"f32\[32,1,4,8\]\{[\d,]+\} copy", loop(dot).lower(
+      params, x).compile().as_text())
+  assert copied(layers.one_part_dot) == []
+  np.testing.assert_allclose(loop(layers.one_part_dot)(params, x), loop(None)(params, x),
+                             rtol=1e-6)

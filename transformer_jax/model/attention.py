@@ -170,6 +170,7 @@ class MultiHeadAttention(nn.Module):
     def projection(parts, heads, heads_axis, name):
       dense = nn.DenseGeneral(
           (parts, heads, head_dim), dtype=self.dtype, use_bias=qkv_bias,
+          dot_general=layers.one_part_dot if parts == 1 else None,
           kernel_init=_partitioned(self.kernel_init, ("embed", None, heads_axis, "kv")),
           bias_init=_partitioned(nn.initializers.zeros_init(), (None, heads_axis, "kv")),
           name=name)

@@ -13,6 +13,7 @@ import numpy as np
 
 from transformer_jax.model import kv_cache
 from transformer_jax.model import lora as lora_lib
+from transformer_jax.model import quantization
 from transformer_jax.model.schema import LoraSpec
 
 Array = jax.Array
@@ -233,6 +234,21 @@ def float32_sum_dot(lhs: Array, rhs: Array, dimension_numbers, precision=None,
     rhs = rhs.astype(jnp.float32) if isinstance(rhs, jax.Array) else rhs
   return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision,
                              preferred_element_type=jnp.float32)
+
+
+def one_part_dot(lhs: Array, rhs: Array, dimension_numbers, precision=None,
+                 **kwargs) -> Array:
+  """`jax.lax.dot_general` of a one-part projection's kernel [embed, 1, heads, head_dim]
+  (grouped-query attention's 'query') read without its size-1 axis, then put back: with it,
+  XLA:CPU copied every layer's kernel on each call of a pmapped decode loop (that axis and
+  pmap's per-device one took different layouts: about 10 ms a call at 135M parameters). A
+  kernel qwix quantizes reaches it as it is (qwix knows its params by identity)."""
+  contracts_embed = dimension_numbers == (((lhs.ndim - 1,), (0,)), ((), ()))
+  if (not isinstance(rhs, jax.Array) or not contracts_embed or rhs.shape[1] != 1 or
+      quantization.quantizes_weight_here()):
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, **kwargs)
+  out = jax.lax.dot_general(lhs, jnp.squeeze(rhs, 1), dimension_numbers, precision, **kwargs)
+  return jnp.expand_dims(out, lhs.ndim - 1)
 
 
 def float32_sum_einsum(spec: str, a: Array, b: Array) -> Array:

@@ -97,6 +97,18 @@ def quantized(model: nn.Module, s: QuantizationSpec | None) -> nn.Module:
   return qwix.quantize_model(model, _provider(qwix, rules(s)), methods=methods)
 
 
+def quantizes_weight_here() -> bool:
+  """Whether qwix, tracing a quantized model, quantizes the kernel of the dot_general that the
+  current Flax module is about to call (that kernel must then reach qwix as the module's own
+  param). qwix's rule lookup is not public API: where it is missing, True."""
+  try:
+    from qwix._src import qconfig  # pylint: disable=import-outside-toplevel
+    rule = qconfig.get_current_rule("dot_general")
+  except (ImportError, AttributeError):
+    return True
+  return rule is not None and rule.weight_qtype is not None
+
+
 def _provider(qwix, found: list):
   """qwix's PtqProvider for rules `found`, its products given through the provider's hooks
   for them (keyword arguments of qwix 0.1.8 that are not public API: where a qwix release
