@@ -101,6 +101,27 @@ def test_rows_entering_together_are_read_packed(decoder):
     np.testing.assert_allclose(outputs[i].logprobs, logprobs, atol=5e-5)
 
 
+def test_a_few_rows_entering_are_read_side_by_side_in_one_row(decoder):
+  """Three short prompts entering an eight-slot pool (a bucket of four) are read side by
+  side in one packed row of 16 tokens, half what four rows of 8 would read, once warm-up has
+  compiled that refill; each row's output is its one-call decode's."""
+  pool = slot_pool.SlotPool(batch_decoder.BatchDecoder(decoder.predictor, 8, stream_steps=8))
+  rows = [row for row in _rows(decoder) if decoder.prompt_bucket(len(row.prompt)) == 8][:3]
+  assert len(rows) == 3 and sum(len(row.prompt) for row in rows) <= 16
+  for i, row in enumerate(rows):
+    row.max_tokens, row.prompt_index = min(row.max_tokens, 12), i
+  assert pool.packings(4, 8) == [(16, 1)] and (16, 4, 1) in pool.shapes()
+  assert pool.warm_up(shapes=[(16, 4, 1)])
+  pool.admit(rows, list(range(3)))
+  assert pool.packed_refills == 1
+  outputs = {}
+  while pool.live():
+    outputs.update(pool.advance())
+  for i, (ids, logprobs) in enumerate(_one_call(decoder, rows)):
+    np.testing.assert_array_equal(outputs[i].ids, ids)
+    np.testing.assert_allclose(outputs[i].logprobs, logprobs, atol=5e-5)
+
+
 def test_rows_left_in_high_slots_move_down_and_decode_as_each_alone(decoder):
   """A four-slot pool whose first two rows end at once: the two left (one greedy, one
   sampled with a seed) move to slots 0 and 1, so that their segments run two slots, not

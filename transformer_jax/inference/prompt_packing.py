@@ -54,6 +54,19 @@ def place(lengths: Sequence[int], parts: int, width: int) -> tuple[np.ndarray | 
   return (None, 0) if packed_rows >= per_part else (places, packed_rows)
 
 
+def side_by_side(lengths: Sequence[int], parts: int, width: int) -> np.ndarray | None:
+  """`place`'s places for one packed row per part: each part's prompts one after the other
+  (None where some part's do not fit in `width` tokens)."""
+  per_part = len(lengths) // parts
+  places = np.zeros((len(lengths), 2), np.int32)
+  for part in range(parts):
+    chunk = np.asarray(lengths[part * per_part:(part + 1) * per_part])
+    if chunk.sum() > width:
+      return None
+    places[part * per_part:(part + 1) * per_part, 1] = np.cumsum(chunk) - chunk
+  return places
+
+
 def pack(tokens: Array, places: Array, packed_rows: int) -> tuple[Array, Array, Array]:
   """Right-padded prompts [b, len] -> (tokens, segment ids, positions), each
   [packed_rows, len]: row i's tokens at `places[i]`, in segment i + 1, at positions 0, 1, ...

@@ -51,6 +51,13 @@ class Runner:
     `beams`: `start_decoding`'s."""
     raise NotImplementedError
 
+  def widest_refill(self, source_length: int, cache_length: int) -> int:
+    """The widest prompts [k, P] `refill` takes into a pool whose sources hold source_length
+    tokens and whose cache cache_length slots per row (prompts packed side by side may be
+    wider than any one prompt)."""
+    del cache_length
+    return source_length
+
   def refill(self, params, cache, context, row_ids: Array, inputs: Array, packing=None):
     """(cache, context, first tokens [k]): the prompts `inputs` [k, P] read into the rows
     `row_ids` [k] of a live `cache` and `context` (a `prefill`'s, one row per prompt, while
@@ -185,6 +192,10 @@ class DecoderOnlyRunner(Runner):
     else:
       cache = self._packed_fill(params, filled, packing, max_len)
     return kv_cache.with_lengths(cache, lengths), {}, start
+
+  def widest_refill(self, source_length: int, cache_length: int) -> int:
+    del source_length
+    return cache_length - 1  # a slot left to decode into
 
   def refill(self, params, cache, context, row_ids, inputs, packing=None):
     room = kv_cache.length(cache) - inputs.shape[1]

@@ -8,8 +8,9 @@ the next segment.
 The pool's cache holds the longest prompt and the longest output (max_source_length +
 max_new_tokens slots per row; an encoder-decoder's sources max_source_length tokens), so
 every row the server admits fits. New rows are read in (k rows, prompt length) buckets, k a
-power of two: one compiled refill per bucket (and per prompt length one more, for a burst
-that fills the largest bucket, read packed), and one compiled segment per k: a segment
+power of two: one compiled refill per bucket, and per bucket one more that reads the rows
+packed (`packings`: a burst that fills the largest bucket in fewer rows, a few rows side by
+side in one), and one compiled segment per k: a segment
 decodes the slots up to the last live one. Where the live rows would fit a smaller bucket
 than their slots need (the end of a burst), they move down to the lowest slots first.
 """
@@ -61,6 +62,9 @@ class SlotPool:
     # adapters, whose rows must not share a packed row. A packed refill is used once
     # `warm_up` (in the background) has compiled it: packing never makes a request wait.
     self.packs = self.family.packs_prompts and decoder.adapters is None
+    # The widest prompts a refill takes (a decoder's: its cache's length, less a slot).
+    self.widest = self.family.runner.widest_refill(
+        self.source_length, self.source_length + decoder.max_new_tokens)
     self._refill_function = refill
     self.refills: dict[int, Callable] = {}  # packed rows (0: none) -> the compiled refill
     self.compiled: set[tuple[int, int, int]] = set()  # (length, k, packed rows) refilled
@@ -159,10 +163,14 @@ class SlotPool:
       batch = [part[:k] for part in by_part]
       by_part = [part[k:] for part in by_part]
       count = max(map(len, by_part))
-      pack = self.packed_rows(k) > 0 and (length, k, self.packed_rows(k)) in self.compiled
-      new, packed_rows = self._new_rows(batch, k, length, pack)
-      self._carried = self._refill(self._carried, new, (length, k, packed_rows))
-      self.packed_refills += bool(packed_rows)
+      new, shape = None, (length, k, 0)
+      for width, packed_rows in self.packings(k, length):  # where compiled and they fit
+        if new is None and (width, k, packed_rows) in self.compiled:
+          new = self._new_rows(batch, k, width, packed_rows)
+          shape = (width, k, packed_rows) if new is not None else shape
+      new = self._new_rows(batch, k, length) if new is None else new
+      self._carried = self._refill(self._carried, new, shape)
+      self.packed_refills += bool(shape[2])
 
   def packed_rows(self, k: int) -> int:
     """The rows a packed refill of k new rows per part reads them in (0: never packed): a
@@ -170,6 +178,16 @@ class SlotPool:
     compiled refill per prompt length; prompt_packing.place packs in quarters)."""
     full = k == self.k_buckets[-1] and k >= prompt_packing.MIN_ROWS
     return 3 * (k // 4) if self.packs and full else 0
+
+  def packings(self, k: int, length: int) -> list[tuple[int, int]]:
+    """The (prompt width, packed rows) a refill of k new rows per part, of prompts up to
+    `length` tokens, may read them in packed: a burst's `packed_rows`; fewer rows (2 <= k
+    below that bucket) side by side in one row of k * length / 2 tokens, half what they
+    read apart (prompts of 8 to 12 tokens fill a third to a half of a 16-token bucket)."""
+    if self.packed_rows(k):
+      return [(length, self.packed_rows(k))]
+    width = k * length // 2
+    return [(width, 1)] if self.packs and k >= 2 and width <= self.widest else []
 
   def _refill(self, carried, new: dict, shape: tuple[int, int, int]):
     """`carried` with `new` read in: shape (prompt length, k, packed rows) (`shapes`)."""
@@ -182,10 +200,10 @@ class SlotPool:
     return carried
 
   def _new_rows(self, batch: list[list[tuple[int, batch_decoder.Row]]], k: int,
-                length: int, pack: bool = False) -> tuple[dict, int]:
-    """The refill's inputs for `batch` (k entries per part, of prompts up to `length`
-    tokens), and the packed rows they are read in: with `pack`, `packed_rows(k)` where the
-    prompts fit in them, else 0 (unpacked)."""
+                length: int, packed_rows: int = 0) -> dict | None:
+    """The refill's inputs for `batch` (k entries per part, in prompts of `length` tokens),
+    read in `packed_rows` packed rows of that width per part (0: unpacked); None where they
+    do not fit in them."""
     ids = np.full((self.parts, k), self.rows_per_part, np.int32)  # past the rows: dropped
     adapters = np.zeros((self.parts, k), np.int32)
     prompts = np.zeros((self.parts, k, length), np.int32)
@@ -195,13 +213,17 @@ class SlotPool:
         prompts[part, i, :len(row.prompt)] = row.prompt
     new = {"row_ids": ids.reshape(-1), "adapter": adapters.reshape(-1),
            "prompts": prompts.reshape(self.parts * k, length)}
-    packed_rows = 0
-    if pack:
-      places, needed = prompt_packing.place(np.count_nonzero(new["prompts"], axis=1),
-                                            self.parts, length)
-      if places is not None and needed <= self.packed_rows(k):
-        new["places"], packed_rows = places, self.packed_rows(k)
-    return self.layout.eval_batch(new), packed_rows
+    if packed_rows:
+      lengths = np.count_nonzero(new["prompts"], axis=1)
+      if packed_rows == 1:
+        places = prompt_packing.side_by_side(lengths, self.parts, length)
+      else:
+        places, needed = prompt_packing.place(lengths, self.parts, length)
+        places = places if places is not None and needed <= packed_rows else None
+      if places is None:
+        return None
+      new["places"] = places
+    return self.layout.eval_batch(new)
 
   def _bucket(self, rows: int) -> int:
     """The smallest segment that runs `rows` slots of each part."""
@@ -262,12 +284,13 @@ class SlotPool:
   # ---- Compiling ahead ---------------------------------------------------------------------
 
   def shapes(self) -> list[tuple[int, int, int]]:
-    """Every (prompt length, new rows per part, packed rows) bucket a refill can take: the
-    unpacked ones, then the packed ones."""
+    """Every (prompt width, new rows per part, packed rows) bucket a refill can take: the
+    unpacked ones, then the packed ones (`packings`)."""
     lengths = self.decoder.length_buckets
+    packed = [(width, k, rows) for length in lengths for k in self.k_buckets
+              for width, rows in self.packings(k, length)]
     return ([(length, k, 0) for length in lengths for k in self.k_buckets] +
-            [(length, k, self.packed_rows(k)) for length in lengths for k in self.k_buckets
-             if self.packed_rows(k)])
+            list(dict.fromkeys(packed)))
 
   def warm_up(self, progress: Callable[[int, int, tuple], None] | None = None,
               shapes: Sequence[tuple[int, int, int]] | None = None,
@@ -283,7 +306,7 @@ class SlotPool:
       length, k, packed_rows = shape
       batch = [[(i, batch_decoder.Row(np.full((length,), 3, np.int32))) for i in range(k)]
                for _ in range(self.parts)]
-      new, _ = self._new_rows(batch, k, length)
+      new = self._new_rows(batch, k, length)
       if packed_rows:  # any places compile it (the scratch pool's rows are never read)
         new["places"] = self.layout.eval_batch(np.zeros((self.parts * k, 2), np.int32))
       scratch[0] = self._refill(scratch[0], new, shape)
