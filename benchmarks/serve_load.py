@@ -16,7 +16,10 @@ streamed and the table adds the median time to the first chunk carrying text. Wi
 `--mixed LOW,HIGH` each request asks for its own max_tokens, drawn from LOW..HIGH (a mixed
 workload), and the table adds the p50 latency of the short ones (max_tokens <= `--short`).
 `--compare_static` runs the sweep twice, against a server that decodes each batch to its end
-(serve.continuous_batching=False) and one with continuous batching. Prints a Markdown table.
+(serve.continuous_batching=False) and one with continuous batching; with `--static_root DIR`
+the static side is the server of another checkout (e.g. `git worktree add DIR c42699e`, the
+code issue #58 was filed against), measured once its /health answers. Prints a Markdown
+table.
 
   python benchmarks/serve_load.py --smollm2_135m /tmp/smollm2_135m --requests 128 \
       --mixed 8,128 --compare_static -- --config.max_source_length=16 \
@@ -67,14 +70,14 @@ def post(url: str, body: dict) -> dict:
 
 
 def start_server(args, port: int, log, server_args: list[str],
-                 after_compile: bool = False) -> subprocess.Popen:
-  """The server of `args` on `port`, once /health answers (with `after_compile`, once it has
-  also compiled every shape)."""
+                 after_compile: bool = False, root: str = ROOT) -> subprocess.Popen:
+  """The server of `args` on `port`, run from the code in `root`, once /health answers (with
+  `after_compile`, once it has also compiled every shape)."""
   model = ["--workdir", args.workdir] if args.workdir else ["--pretrained", args.pretrained]
   extra = [f"--config.decoding.min_length={args.max_tokens}"] if args.fixed_length else []
   command = [sys.executable, "-m", "transformer_jax.main", "--mode", "serve", "--port",
              str(port), *model, *extra, *args.server_args, *server_args]
-  process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=log)
+  process = subprocess.Popen(command, cwd=root, stdout=log, stderr=log)
   deadline = time.time() + args.start_timeout
   while time.time() < deadline:
     if process.poll() is not None:
@@ -211,6 +214,10 @@ def main():
                       "'Compiled all'); --no-after_compile: as soon as /health answers")
   parser.add_argument("--compare_static", action="store_true",
                       help="the sweep against static batching, then continuous batching")
+  parser.add_argument("--static_root", metavar="DIR",
+                      help="with --compare_static: the static side's server runs the code in "
+                      "DIR (a `git worktree` of a commit from before continuous batching, "
+                      "which compiles every shape before it answers /health)")
   parser.add_argument("server_args", nargs="*")
   args = parser.parse_args()
   if args.smollm2_135m:
@@ -218,27 +225,31 @@ def main():
       make_smollm2_135m(args.smollm2_135m)
     args.pretrained = args.smollm2_135m
   mixed = tuple(int(x) for x in args.mixed.split(",")) if args.mixed else None
-  sides = ([("static", ["--config.serve.continuous_batching=false"]), ("continuous", [])]
-           if args.compare_static else [(None, [])])
+  static = (["--config.serve.continuous_batching=false"], ROOT)
+  if args.static_root:
+    static = ([], os.path.abspath(args.static_root))
+  sides = ([("static", *static), ("continuous", [], ROOT)] if args.compare_static
+           else [(None, [], ROOT)])
   first = " p50 time to first text |" if args.stream else ""
   short = f" p50 latency, max_tokens <= {args.short} |" if mixed else ""
   print(("| server " if args.compare_static else "") +
         "| concurrency | requests | requests/s | generated tokens/s | tokens/request | "
         f"p50 latency | p99 latency |{first}{short}\n" + "|---" * args.compare_static +
         "|---|---|---|---|---|---|---|" + "---|" * (args.stream + bool(mixed)), flush=True)
-  for label, server_args in sides:
-    sweep(args, server_args, label, mixed)
+  for label, server_args, root in sides:
+    sweep(args, server_args, label, mixed, root)
 
 
 def sweep(args, server_args: list[str], label: str | None,
-          mixed: tuple[int, int] | None) -> None:
+          mixed: tuple[int, int] | None, root: str = ROOT) -> None:
   """Starts a server, measures each concurrency, prints a table row each, stops it."""
   port = free_port()
   url = f"http://127.0.0.1:{port}/v1/completions"
   with tempfile.NamedTemporaryFile("w+", prefix="serve_load_", suffix=".log",
                                    delete=False) as log:
     start = time.perf_counter()
-    server = start_server(args, port, log, server_args, args.after_compile)
+    server = start_server(args, port, log, server_args, args.after_compile and root == ROOT,
+                          root)
     print(f"Server{' (' + label + ')' if label else ''} ready in "
           f"{time.perf_counter() - start:.0f} s (log: {log.name})", flush=True)
     try:
