@@ -81,17 +81,15 @@ def test_rows_entering_free_slots_decode_as_each_alone(decoder):
     assert len(ids) == row.max_tokens or ids[-1] == 1  # its own limit, or its EOS
 
 
-def test_rows_entering_together_are_read_packed(decoder):
-  """Eight rows entering an eight-slot pool at once, once warm-up has compiled the packed
-  refill: their prompts (3 to 12 tokens) are read packed into six rows
-  (prompt_packing.py), and each row's output is its one-call decode's."""
+def _read_packed_as_each_alone(decoder, rows, shape):
+  """`rows` entering an eight-slot pool at once, read packed in `shape` (prompt width, new
+  rows, packed rows) once warm-up has compiled it: each row's output is its one-call
+  decode's."""
   pool = slot_pool.SlotPool(batch_decoder.BatchDecoder(decoder.predictor, 8, stream_steps=8))
-  rows = (_rows(decoder) + _rows(decoder))[:8]
   for i, row in enumerate(rows):
     row.max_tokens, row.prompt_index = min(row.max_tokens, 12), i
-  assert (16, 8, 6) in pool.shapes()
-  assert pool.warm_up(shapes=[(16, 8, 6)])
-  pool.admit(rows, list(range(8)))
+  assert shape in pool.shapes() and pool.warm_up(shapes=[shape])
+  pool.admit(rows, list(range(len(rows))))
   assert pool.packed_refills == 1
   outputs = {}
   while pool.live():
@@ -99,27 +97,22 @@ def test_rows_entering_together_are_read_packed(decoder):
   for i, (ids, logprobs) in enumerate(_one_call(decoder, rows)):
     np.testing.assert_array_equal(outputs[i].ids, ids)
     np.testing.assert_allclose(outputs[i].logprobs, logprobs, atol=5e-5)
+  return pool
+
+
+def test_rows_entering_together_are_read_packed(decoder):
+  """Eight rows entering an eight-slot pool at once: their prompts (3 to 12 tokens) are read
+  packed into six rows (prompt_packing.py)."""
+  _read_packed_as_each_alone(decoder, (_rows(decoder) + _rows(decoder))[:8], (16, 8, 6))
 
 
 def test_a_few_rows_entering_are_read_side_by_side_in_one_row(decoder):
-  """Three short prompts entering an eight-slot pool (a bucket of four) are read side by
-  side in one packed row of 16 tokens, half what four rows of 8 would read, once warm-up has
-  compiled that refill; each row's output is its one-call decode's."""
-  pool = slot_pool.SlotPool(batch_decoder.BatchDecoder(decoder.predictor, 8, stream_steps=8))
+  """Three short prompts (a bucket of four rows of 8 tokens) are read side by side in one
+  packed row of 16 tokens, half what they would read apart."""
   rows = [row for row in _rows(decoder) if decoder.prompt_bucket(len(row.prompt)) == 8][:3]
   assert len(rows) == 3 and sum(len(row.prompt) for row in rows) <= 16
-  for i, row in enumerate(rows):
-    row.max_tokens, row.prompt_index = min(row.max_tokens, 12), i
-  assert pool.packings(4, 8) == [(16, 1)] and (16, 4, 1) in pool.shapes()
-  assert pool.warm_up(shapes=[(16, 4, 1)])
-  pool.admit(rows, list(range(3)))
-  assert pool.packed_refills == 1
-  outputs = {}
-  while pool.live():
-    outputs.update(pool.advance())
-  for i, (ids, logprobs) in enumerate(_one_call(decoder, rows)):
-    np.testing.assert_array_equal(outputs[i].ids, ids)
-    np.testing.assert_allclose(outputs[i].logprobs, logprobs, atol=5e-5)
+  pool = _read_packed_as_each_alone(decoder, rows, (16, 4, 1))
+  assert pool.packings(4, 8) == [(16, 1)]
 
 
 def test_rows_left_in_high_slots_move_down_and_decode_as_each_alone(decoder):
