@@ -205,15 +205,3 @@ def test_a_short_request_arriving_mid_decode_finishes_first(decoder):
   finally:
     engine.close()
 
-
-def test_a_segment_ends_where_a_row_does(decoder):
-  """A one-token row beside a long one: the segment stops after one step (not stream_steps),
-  so that the slot is free at once; the long row's next segment runs its four steps."""
-  pool = slot_pool.SlotPool(decoder)
-  told = []
-  long_row, short_row = _rows(decoder)[0], _rows(decoder)[1]
-  long_row.on_tokens = lambda ids, logprobs: told.append(len(ids))
-  pool.admit([long_row, short_row], ["long", "short"])
-  assert [handle for handle, _ in pool.advance()] == ["short"]
-  assert told == [1]
-  assert pool.advance() == [] and told == [1, 5]

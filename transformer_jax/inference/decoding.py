@@ -92,16 +92,13 @@ def _initial_state(cache: Any, rows: int, bos_id: int | Array, max_decode_len: i
   return state
 
 
-def _run_steps(state: tuple, body: Callable[[tuple], tuple], until: int | Array,
-               until_first_end: bool = False) -> tuple:
+def _run_steps(state: tuple, body: Callable[[tuple], tuple], until: int | Array) -> tuple:
   """Runs `body` while the step is below `until` (max_decode_len, or a segment's end) and some
-  row is unfinished; with `until_first_end`, only until a row that was unfinished ends."""
-  ended_before = state[3]
+  row is unfinished."""
 
   def cond(state):  # `step` and `until` are scalars, or per row (`start_rows`)
     step, finished = state[0], state[3]
-    going = jnp.any((step < until) & ~finished)
-    return going & ~jnp.any(finished & ~ended_before) if until_first_end else going
+    return jnp.any((step < until) & ~finished)
 
   return jax.lax.while_loop(cond, body, state)
 
@@ -416,12 +413,10 @@ def sample_steps(state: tuple, tokens_to_logits: TokensToLogits, rng: Array, *,
                  top_k: int | Array = 0,
                  top_p: float | Array = 1.0, end_ids: Sequence[int] = (),
                  logits_processor: LogitsProcessor | None = None,
-                 row_limits: Array | None = None, forced: Array | None = None,
-                 until_first_end: bool = False) -> tuple:
+                 row_limits: Array | None = None, forced: Array | None = None) -> tuple:
   """`state` (from `start_sampling`, or `start_rows`: each row `steps` further) advanced by up
-  to `steps` tokens, or fewer where every row finishes first (with `until_first_end`, where
-  any row ends: a slot pool's segment then ends as soon as a slot can take a new row). Runs
-  `sample`'s own loop body, so that segments of any size compute what one
+  to `steps` tokens, or fewer where every row finishes first. Runs `sample`'s own loop body,
+  so that segments of any size compute what one
   `sample(..., return_logprobs=True, return_token_logprobs=True)` call computes for the same
   arguments (one sample per row, no decoder_prompt); `rng` as `sample`'s.
   (Compiled apart, XLA may sum in another order where the callback's inputs are arguments
@@ -435,7 +430,7 @@ def sample_steps(state: tuple, tokens_to_logits: TokensToLogits, rng: Array, *,
   body = _decode_step(tokens_to_logits, choose, eos_id=eos_id, forced=forced, end_ids=end_ids,
                       logits_processor=logits_processor, row_limits=row_limits)
   until = jnp.minimum(state[0] + steps, state[2].shape[1])
-  return _run_steps(state, body, until, until_first_end)
+  return _run_steps(state, body, until)
 
 
 def start_rows(cache: Any, *, rows: int, max_decode_len: int) -> tuple:

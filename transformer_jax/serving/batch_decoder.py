@@ -198,13 +198,11 @@ class BatchDecoder:
             for i, limit in enumerate(limits)]
 
 
-def segment_function(runner, max_new: int, steps: int, decoding_config,
-                     until_first_end: bool = False) -> Callable:
+def segment_function(runner, max_new: int, steps: int, decoding_config) -> Callable:
   """advance(params, carried, settings) -> (carried, progress): up to `steps` more tokens for
-  every row (decoding.sample_steps: `decoding.sample`'s own loop body; with
-  `until_first_end`, only until a row ends) of `carried` = (sampling state, runner context,
-  [rows] first tokens to force, 0: none), each row with its own settings and named adapter;
-  `progress` = {step, finished, ids, logprobs} per row so far."""
+  every row (decoding.sample_steps: `decoding.sample`'s own loop body) of `carried` = (sampling
+  state, runner context, [rows] first tokens to force, 0: none), each row with its own
+  settings and named adapter; `progress` = {step, finished, ids, logprobs} per row so far."""
   end_ids = tuple(decoding_config.end_ids)
   forced_eos = decoding_config.forced_eos
   processor = logits_processor(decoding_config)
@@ -222,8 +220,7 @@ def segment_function(runner, max_new: int, steps: int, decoding_config,
         state, runner.step_logits(lora_lib.for_rows(params, rows["adapter"]), context),
         row_keys(rows), steps=steps, eos_id=tokenizer_lib.EOS_ID, end_ids=end_ids,
         temperature=rows["temperature"], top_k=rows["top_k"], top_p=rows["top_p"],
-        row_limits=rows["max_tokens"], logits_processor=processor, forced=forced,
-        until_first_end=until_first_end)
+        row_limits=rows["max_tokens"], logits_processor=processor, forced=forced)
     step, finished, ids, _, logprobs = decoding.sampling_progress(state)
     return (state, context, forced_firsts), {
         "step": jnp.broadcast_to(step, finished.shape), "finished": finished, "ids": ids,

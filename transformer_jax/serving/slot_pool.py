@@ -1,9 +1,8 @@
 """Continuous batching: a fixed pool of row slots that decode side by side, each at its own
-step (the KV cache's write position per row, model/kv_cache.py). Between segments of up to
-serve.stream_steps tokens (a segment ends where a row does), rows that finished leave and
-waiting rows are read into the free slots (`runner.refill`) while the others decode on, so a
-short request is not held behind a long one and a request that arrives mid-batch starts at
-the next segment.
+step (the KV cache's write position per row, model/kv_cache.py). Between segments of
+serve.stream_steps tokens, rows that finished leave and waiting rows are read into the free
+slots (`runner.refill`) while the others decode on, so a short request is not held behind a
+long one and a request that arrives mid-batch starts at the next segment.
 
 The pool's cache holds the longest prompt and the longest output (max_source_length +
 max_new_tokens slots per row; an encoder-decoder's sources max_source_length tokens), so
@@ -90,10 +89,8 @@ class SlotPool:
     (carried, progress), as BatchDecoder's segments."""
     family, runner = self.family, self.family.runner
     max_new = self.decoder.max_new_tokens
-    # A segment ends where a row does, so that its slot takes a waiting row at once rather
-    # than idle through the rest of the segment.
     segment = batch_decoder.segment_function(runner, max_new, self.decoder.stream_steps,
-                                             decoding_config, until_first_end=True)
+                                             decoding_config)
 
     def empty(params, prompts):
       # Zeros of a prefill's shapes: no row is read until a refill (a prefill of the pool's
