@@ -238,11 +238,12 @@ def float32_sum_dot(lhs: Array, rhs: Array, dimension_numbers, precision=None,
 
 def one_part_dot(lhs: Array, rhs: Array, dimension_numbers, precision=None,
                  **kwargs) -> Array:
-  """`jax.lax.dot_general` of a one-part projection's kernel [embed, 1, heads, head_dim]
-  (grouped-query attention's 'query') read without its size-1 axis, then put back: with it,
-  XLA:CPU copied every layer's kernel on each call of a pmapped decode loop (that axis and
-  pmap's per-device one took different layouts: about 10 ms a call at 135M parameters). A
-  kernel qwix quantizes reaches it as it is (qwix knows its params by identity)."""
+  """`jax.lax.dot_general` of a one-part projection's kernel [embed, 1, heads, head_dim] (the
+  'query' of grouped-query and of cross-attention) read without its size-1 axis, then put
+  back: with it, XLA:CPU copied every layer's kernel on each call of a pmapped decode loop
+  (that axis and pmap's per-device one took different layouts: about 10 ms a call at 135M
+  parameters). A kernel qwix quantizes reaches it as it is (qwix knows its params by
+  identity)."""
   contracts_embed = dimension_numbers == (((lhs.ndim - 1,), (0,)), ((), ()))
   if (not isinstance(rhs, jax.Array) or not contracts_embed or rhs.shape[1] != 1 or
       quantization.quantizes_weight_here()):

@@ -9,9 +9,9 @@ max_new_tokens slots per row; an encoder-decoder's sources max_source_length tok
 every row the server admits fits. New rows are read in (k rows, prompt length) buckets, k a
 power of two: one compiled refill per bucket, and per bucket one more that reads the rows
 packed (`packings`: a burst that fills the largest bucket in fewer rows, a few rows side by
-side in one), and one compiled segment per k: a segment
-decodes the slots up to the last live one. Where the live rows would fit a smaller bucket
-than their slots need (the end of a burst), they move down to the lowest slots first.
+side in one), and one compiled segment per k: a segment decodes the slots up to the last
+live one. Where the live rows would fit a smaller bucket than their slots need (the end of a
+burst), they move down to the lowest slots first.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ class SlotPool:
     return [(width, 1)] if self.packs and k >= 2 and width <= self.widest else []
 
   def _refill(self, carried, new: dict, shape: tuple[int, int, int]):
-    """`carried` with `new` read in: shape (prompt length, k, packed rows) (`shapes`)."""
+    """`carried` with `new` read in: shape (prompt width, k, packed rows) (`shapes`)."""
     packed_rows = shape[2]
     if packed_rows not in self.refills:
       self.refills[packed_rows] = self.layout.compile_decode_steps(
