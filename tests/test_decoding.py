@@ -405,6 +405,9 @@ def test_top_p_keeps_exactly_the_smallest_nucleus():
     for value in (top_p, jnp.float32(top_p)):  # a traced-able array filters the same
       kept = decoding.filter_logits(logits, top_p=value)[0] > decoding.NEG_INF / 2
       np.testing.assert_array_equal(kept, np.array(want, bool))
+    for shaped in (logits[0], logits[None]):  # one row alone, or rows in more axes
+      kept = decoding.filter_logits(shaped, top_p=top_p) > decoding.NEG_INF / 2
+      np.testing.assert_array_equal(kept.reshape(-1), np.array(want, bool))
 
 
 def _kept_by_numpy(row, top_k, top_p):

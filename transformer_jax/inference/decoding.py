@@ -260,7 +260,7 @@ def _nucleus(logits: Array, top_p: float | Array) -> Array:
     # A token is in the nucleus if the tokens ranked above it hold less than top_p.
     in_nucleus = (jnp.cumsum(probs, axis=-1) - probs < top_p) & (top_p < 1.0)
     lowest = jnp.min(jnp.where(in_nucleus, descending, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(top_p < 1.0, lowest, -jnp.inf), in_nucleus[:, -1:]
+    return jnp.where(top_p < 1.0, lowest, -jnp.inf), in_nucleus[..., -1:]
 
   # Each row's from the candidates where its nucleus ends among them, else from all tokens:
   # a row's result never depends on the other rows'.

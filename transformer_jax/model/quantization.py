@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import Any
 
 import flax.linen as nn
@@ -100,7 +101,10 @@ def quantized(model: nn.Module, s: QuantizationSpec | None) -> nn.Module:
 def quantizes_weight_here() -> bool:
   """Whether qwix, tracing a quantized model, quantizes the kernel of the dot_general that the
   current Flax module is about to call (that kernel must then reach qwix as the module's own
-  param). qwix's rule lookup is not public API: where it is missing, True."""
+  param). qwix's rule lookup is not public API: where it is missing, True. A float model
+  never imports qwix: False."""
+  if "qwix" not in sys.modules:
+    return False
   try:
     from qwix._src import qconfig  # pylint: disable=import-outside-toplevel
     rule = qconfig.get_current_rule("dot_general")
