@@ -112,7 +112,7 @@ def test_a_few_rows_entering_are_read_side_by_side_in_one_row(decoder):
   rows = [row for row in _rows(decoder) if decoder.prompt_bucket(len(row.prompt)) == 8][:3]
   assert len(rows) == 3 and sum(len(row.prompt) for row in rows) <= 16
   pool = _read_packed_as_each_alone(decoder, rows, (16, 4, 1))
-  assert pool.packings(4, 8) == [(16, 1)]
+  assert pool.packing(4, 8) == (16, 1)
 
 
 def test_rows_left_in_high_slots_move_down_and_decode_as_each_alone(decoder):
@@ -204,4 +204,3 @@ def test_a_short_request_arriving_mid_decode_finishes_first(decoder):
                                   _one_call(decoder, [short_row])[0][0])
   finally:
     engine.close()
-

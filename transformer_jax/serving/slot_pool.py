@@ -8,7 +8,7 @@ The pool's cache holds the longest prompt and the longest output (max_source_len
 max_new_tokens slots per row; an encoder-decoder's sources max_source_length tokens), so
 every row the server admits fits. New rows are read in (k rows, prompt length) buckets, k a
 power of two: one compiled refill per bucket, and per bucket one more that reads the rows
-packed (`packings`: a burst that fills the largest bucket in fewer rows, a few rows side by
+packed (`packing`: a burst that fills the largest bucket in fewer rows, a few rows side by
 side in one), and one compiled segment per k: a segment decodes the slots up to the last
 live one. Where the live rows would fit a smaller bucket than their slots need (the end of a
 burst), they move down to the lowest slots first.
@@ -160,12 +160,12 @@ class SlotPool:
       batch = [part[:k] for part in by_part]
       by_part = [part[k:] for part in by_part]
       count = max(map(len, by_part))
-      new, shape = None, (length, k, 0)
-      for width, packed_rows in self.packings(k, length):  # where compiled and they fit
-        if new is None and (width, k, packed_rows) in self.compiled:
-          new = self._new_rows(batch, k, width, packed_rows)
-          shape = (width, k, packed_rows) if new is not None else shape
-      new = self._new_rows(batch, k, length) if new is None else new
+      packed = self.packing(k, length)
+      shape = (packed[0], k, packed[1]) if packed else None
+      # Packed where that refill is compiled and the prompts fit, else unpacked.
+      new = self._new_rows(batch, k, *packed) if shape in self.compiled else None
+      if new is None:
+        new, shape = self._new_rows(batch, k, length), (length, k, 0)
       self._carried = self._refill(self._carried, new, shape)
       self.packed_refills += bool(shape[2])
 
@@ -176,15 +176,16 @@ class SlotPool:
     full = k == self.k_buckets[-1] and k >= prompt_packing.MIN_ROWS
     return 3 * (k // 4) if self.packs and full else 0
 
-  def packings(self, k: int, length: int) -> list[tuple[int, int]]:
+  def packing(self, k: int, length: int) -> tuple[int, int] | None:
     """The (prompt width, packed rows) a refill of k new rows per part, of prompts up to
-    `length` tokens, may read them in packed: a burst's `packed_rows`; fewer rows (2 <= k
-    below that bucket) side by side in one row of k * length / 2 tokens, half what they
-    read apart (prompts of 8 to 12 tokens fill a third to a half of a 16-token bucket)."""
+    `length` tokens, may read them in packed (None: never): a burst's `packed_rows`; fewer
+    rows (2 <= k below that bucket) side by side in one row of k * length / 2 tokens, half
+    what they read apart (prompts of 8 to 12 tokens fill a third to a half of a 16-token
+    bucket)."""
     if self.packed_rows(k):
-      return [(length, self.packed_rows(k))]
+      return length, self.packed_rows(k)
     width = k * length // 2
-    return [(width, 1)] if self.packs and k >= 2 and width <= self.widest else []
+    return (width, 1) if self.packs and k >= 2 and width <= self.widest else None
 
   def _refill(self, carried, new: dict, shape: tuple[int, int, int]):
     """`carried` with `new` read in: shape (prompt width, k, packed rows) (`shapes`)."""
@@ -282,10 +283,10 @@ class SlotPool:
 
   def shapes(self) -> list[tuple[int, int, int]]:
     """Every (prompt width, new rows per part, packed rows) bucket a refill can take: the
-    unpacked ones, then the packed ones (`packings`)."""
+    unpacked ones, then the packed ones (`packing`)."""
     lengths = self.decoder.length_buckets
-    packed = [(width, k, rows) for length in lengths for k in self.k_buckets
-              for width, rows in self.packings(k, length)]
+    packed = [(packed[0], k, packed[1]) for length in lengths for k in self.k_buckets
+              if (packed := self.packing(k, length))]
     return ([(length, k, 0) for length in lengths for k in self.k_buckets] +
             list(dict.fromkeys(packed)))
 
