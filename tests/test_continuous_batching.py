@@ -204,3 +204,23 @@ def test_a_short_request_arriving_mid_decode_finishes_first(decoder):
                                   _one_call(decoder, [short_row])[0][0])
   finally:
     engine.close()
+
+
+def test_a_row_arriving_while_the_pool_decodes_enters_without_waiting_for_more(decoder):
+  """serve.max_wait_ms gathers a burst only into an idle pool: while rows decode, a row that
+  waits enters at the next segment even where more slots are free (the device would wait)."""
+  wide = batch_decoder.BatchDecoder(decoder.predictor, 4, stream_steps=4)
+  engine = engine_lib.Engine(wide, max_wait_ms=0, max_queue=8, pool=slot_pool.SlotPool(wide))
+  try:
+    long_row, short_row = _rows(decoder)[0], _rows(decoder)[4]
+    started = threading.Event()
+    long_row.on_tokens = lambda ids, logprobs: started.set()
+    long_future, = engine.submit([long_row])
+    assert started.wait(120)  # decoding, three slots free
+    engine.max_wait = 3600.0  # a wait for more rows would outlast the test
+    short_future, = engine.submit([short_row])
+    assert concurrent.futures.wait([short_future], timeout=120).done
+    assert not long_future.done()
+  finally:
+    engine.max_wait = 0.0
+    engine.close()

@@ -72,8 +72,9 @@ class Engine:
     self._thread.join()
 
   def _take(self, limit: int, block: bool = True) -> list | None:
-    """The next rows: the first waiting row (None once closed; without `block`, [] when none
-    waits), then up to `limit` within max_wait of it."""
+    """The next rows: the first waiting row (None once closed), then up to `limit` within
+    max_wait of it. Without `block` (rows are decoding: the device would wait), only the rows
+    that wait now, [] when none does."""
     try:
       first = self._queue.get(block=block)
     except queue.Empty:
@@ -84,7 +85,8 @@ class Engine:
     deadline = time.monotonic() + self.max_wait
     while len(batch) < limit:
       now = time.monotonic()
-      waiting = now < deadline or (self.arriving > 0 and now < deadline + ARRIVING_WAIT_S)
+      waiting = block and (now < deadline or (
+          self.arriving > 0 and now < deadline + ARRIVING_WAIT_S))
       try:
         # Short polls while waiting, so that the `arriving` count is read afresh.
         item = self._queue.get(timeout=0.001) if waiting else self._queue.get_nowait()
