@@ -9,6 +9,7 @@ flight, which the engine finishes decoding; the process then exits 0.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -97,6 +98,15 @@ def check_host(host: str, api_key: str | None) -> None:
                     "the model (pass --api_key or set %s).", host, API_KEY_VARIABLE)
 
 
+def settle_heap() -> None:
+  """Keeps what is loaded by now (the model, JAX, compiled programs: hundreds of thousands of
+  objects that live as long as the server) out of the collector's full collections, each of
+  which walked them all and held every thread for up to a fifth of a second, many times a
+  minute under load. Garbage is collected first, so that none is kept."""
+  gc.collect()
+  gc.freeze()
+
+
 def run_serve(predictor: predict.Predictor, name: str, host: str = "127.0.0.1",
               port: int = 8000, api_key: str | None = None, adapters=None) -> None:
   """Serves `predictor` at http://host:port until SIGTERM or Ctrl-C, with the named LoRA
@@ -131,6 +141,7 @@ def run_serve(predictor: predict.Predictor, name: str, host: str = "127.0.0.1",
       print(f"Compiled all {len(shapes)} {what} shapes (prompts up to "
             f"{decoder.max_source_length} tokens, up to {decoder.max_batch_size} rows) in "
             f"{time.perf_counter() - start:.0f} s.", file=sys.stderr, flush=True)
+      settle_heap()  # the compiled programs too
 
   engine = engine_lib.Engine(decoder, serve.max_wait_ms, serve.max_queue, pool)
   app = app_lib.create_app(app_lib.Service(predictor, engine, name), api_key)
@@ -141,6 +152,7 @@ def run_serve(predictor: predict.Predictor, name: str, host: str = "127.0.0.1",
   previous = signal.signal(signal.SIGTERM, lambda *_: None)
   # Joined before the process exits: a thread left inside XLA's compiler at exit aborts it.
   compiler = threading.Thread(target=compile_the_rest, name="compile-shapes")
+  settle_heap()
   compiler.start()
   try:
     beside = f" and adapters {', '.join(adapters.names)}" if adapters else ""
