@@ -376,3 +376,13 @@ def test_multitask_mixture_trains_and_scores_each_part(tmp_path):
   assert examples["test"][0]["source"].startswith(("sentiment: ", "translate: "))
   result = train.train_and_evaluate(config, str(tmp_path / "run"))
   assert {"translate_bleu", "sentiment_accuracy"} <= set(result)
+
+
+def test_few_and_many_texts_encode_as_each_alone():
+  """encode_batch's two paths (few texts one by one, many on SentencePiece's threads)."""
+  from transformer_jax import tokenizer as tokenizer_lib
+  tokenizer = tokenizer_lib.train_tokenizer(["ein Haus am See", "a house by the lake"] * 50, 40)
+  texts = [f"a house {'by the lake ' * (i % 5)}{i}" for i in range(tokenizer_lib.FEW_TEXTS + 3)]
+  alone = [tokenizer.encode(text) for text in texts]
+  assert tokenizer.encode_batch(texts[:3]) == alone[:3]
+  assert tokenizer.encode_batch(texts) == alone
