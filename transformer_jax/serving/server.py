@@ -101,8 +101,8 @@ def check_host(host: str, api_key: str | None) -> None:
 def settle_heap() -> None:
   """Keeps what is loaded by now (the model, JAX, compiled programs: hundreds of thousands of
   objects that live as long as the server) out of the collector's full collections, each of
-  which walked them all and held every thread for up to a fifth of a second, many times a
-  minute under load. Garbage is collected first, so that none is kept."""
+  which walked them all and held every thread for 0.15-0.4 s, many times a minute under
+  load. Garbage is collected first, so that none is kept."""
   gc.collect()
   gc.freeze()
 
