@@ -281,14 +281,12 @@ class _Admission:
       return await response(scope, receive, send)
     if scope["method"] != "POST":
       return await self.app(scope, receive, send)
-    _ARRIVING.set(arriving := [True])
+    _ARRIVING.set([True])
     self.engine.arriving += 1
     try:
       return await self.app(scope, receive, send)
     finally:
-      if arriving[0]:
-        arriving[0] = False
-        self.engine.arriving -= 1
+      _arrived(self.engine)  # where the route did not
 
 
 def _arrived(engine: engine_lib.Engine) -> None:

@@ -287,8 +287,7 @@ class SlotPool:
     lengths = self.decoder.length_buckets
     packed = [(packed[0], k, packed[1]) for length in lengths for k in self.k_buckets
               if (packed := self.packing(k, length))]
-    return ([(length, k, 0) for length in lengths for k in self.k_buckets] +
-            list(dict.fromkeys(packed)))
+    return [(length, k, 0) for length in lengths for k in self.k_buckets] + packed
 
   def warm_up(self, progress: Callable[[int, int, tuple], None] | None = None,
               shapes: Sequence[tuple[int, int, int]] | None = None,
