@@ -49,12 +49,18 @@ def through_the_pool(pool, rows) -> dict:
   return outputs
 
 
+# Some rows with OpenAI's penalties and a logit_bias: each row's own in the pool too.
+PENALTIES = {0: dict(presence_penalty=-1.0, frequency_penalty=0.5),
+             3: dict(frequency_penalty=1.0, logit_bias={40: 3.0, 41: -2.0})}
+
+
 def _rows(decoder):
   """Greedy and sampled rows (seeded), max_tokens from 1 to 64."""
   predictor = decoder.predictor
   prompts = [np.asarray(predictor.family.prompt(predictor.tokenizer.encode(t))) for t in TEXTS]
   return [batch_decoder.Row(p, MAX_TOKENS[i], temperature=[0.0, 1.0][i % 2], top_k=0,
-                            top_p=[1.0, 0.9][i % 2], seed=11, prompt_index=i)
+                            top_p=[1.0, 0.9][i % 2], seed=11, prompt_index=i,
+                            **PENALTIES.get(i, {}))
           for i, p in enumerate(prompts)]
 
 

@@ -493,6 +493,33 @@ def test_repetition_penalty():
   assert list(_greedy_fixed(peaked, 3, processor=processor)) == [2, 3, 4]
 
 
+@pytest.mark.parametrize("per_row", [False, True])
+def test_openai_penalties_count_each_rows_output_so_far(per_row):
+  """OpenAI's formula per row: logit - frequency x count - presence x (count > 0) + bias, the
+  count over the row's first `step` tokens (zeros after them are not id 0's); the whole batch
+  at one step (static batches) or each row at its own (continuous batching)."""
+  logits = np.random.default_rng(0).normal(size=(3, 12)).astype(np.float32)
+  sequences = np.array([[5, 5, 7, 0, 0], [0, 2, 0, 4, 0], [9, 9, 9, 9, 9]], np.int32)
+  step = np.array([3, 3, 5]) if per_row else np.array(3)
+  presence, frequency = np.array([0.5, 0, 1], np.float32), np.array([1, 2, 0], np.float32)
+  ids = np.full((3, 4), decoding.NO_TOKEN, np.int32)
+  values = np.zeros((3, 4), np.float32)
+  ids[1, :2], values[1, :2] = [11, 2], [50, -1.5]
+  processor = jax.jit(decoding.openai_penalties_processor(presence, frequency, ids, values))
+  expected = logits.copy()
+  for row in range(3):
+    counts = np.bincount(sequences[row, :np.broadcast_to(step, 3)[row]], minlength=12)
+    expected[row] -= frequency[row] * counts + presence[row] * (counts > 0)
+  expected[1, 11] += 50
+  expected[1, 2] -= 1.5
+  np.testing.assert_allclose(processor(logits, step, sequences), expected, rtol=1e-6)
+  np.testing.assert_allclose(expected[1, 0], logits[1, 0] - 4)  # id 0 twice in row 1's output
+  unset = decoding.openai_penalties_processor(
+      np.zeros(3, np.float32), np.zeros(3, np.float32),
+      np.full((3, 4), decoding.NO_TOKEN, np.int32), values)
+  np.testing.assert_array_equal(unset(logits, step, sequences), logits)
+
+
 def test_processor_sees_the_step_and_the_output_so_far():
   def no_repeat_and_end_at_3(logits, step, sequences):
     previous = jax.lax.dynamic_index_in_dim(sequences, jnp.maximum(step - 1, 0), axis=1)

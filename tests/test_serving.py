@@ -178,10 +178,16 @@ def test_streams_add_up_to_the_answer_and_seeds_reproduce(seq2seq):
 def test_concurrent_requests_with_mixed_settings_equal_sequential_answers(seq2seq):
   # 32 requests: greedy ones and seeded samples with their own temperature / top_k / top_p,
   # batched together by the server, each equal to its answer when sent alone.
+  # Every third with OpenAI's penalties, every fifth with a logit_bias: per row too.
   requests = [dict(prompt=TEXTS[i % 4], max_tokens=4 + i % 9, temperature=0)
               if i % 2 else dict(prompt=TEXTS[i % 4], max_tokens=12, temperature=0.5 + i / 64,
                                  top_k=[0, 5][i % 4 // 2], top_p=[1.0, 0.8][i % 3 == 0], seed=i)
               for i in range(32)]
+  for i, request in enumerate(requests):
+    if i % 3 == 0:
+      request.update(frequency_penalty=1.5, presence_penalty=0.5)
+    if i % 5 == 0:
+      request.update(logit_bias={str(7 + i % 4): 4.0})
   ask = lambda kwargs: seq2seq.client.completions.create(
       model=seq2seq.name, **{k: v for k, v in kwargs.items() if k != "top_k"},
       extra_body={"top_k": kwargs.get("top_k", 0)}).choices[0].text
@@ -190,6 +196,18 @@ def test_concurrent_requests_with_mixed_settings_equal_sequential_answers(seq2se
     together = list(pool.map(ask, requests))
   assert together == alone
   assert len(set(alone)) > 4
+
+
+def test_logit_bias_rules_its_own_row_alone(seq2seq):
+  # +100 on one token: each of the row's greedy tokens is that one (no EOS either), while a
+  # row decoded beside it answers as it does alone.
+  plain = dict(model=seq2seq.name, prompt=TEXTS[0], max_tokens=6, temperature=0, logprobs=0)
+  ask = lambda kwargs: seq2seq.client.completions.create(**kwargs).choices[0]
+  alone = ask(plain)
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    biased, beside = pool.map(ask, [dict(plain, logit_bias={"9": 100}), plain])
+  assert len(biased.logprobs.tokens) == 6 and len(set(biased.logprobs.tokens)) == 1
+  assert biased.text != alone.text and beside.text == alone.text
 
 
 @pytest.mark.parametrize("body, param, message", [
@@ -203,7 +221,11 @@ def test_concurrent_requests_with_mixed_settings_equal_sequential_answers(seq2se
     ({"prompt": "a", "temperature": -1}, "temperature", "temperature"),
     ({"prompt": "a", "echo": True, "logprobs": 1}, "echo", "decoder-only"),
     ({"prompt": "a", "logprobs": 6}, "logprobs", "less than or equal to 5"),
-    ({"prompt": "a", "presence_penalty": 1.0}, "presence_penalty", "not supported"),
+    ({"prompt": "a", "best_of": 2}, "best_of", "not supported"),
+    ({"prompt": "a", "presence_penalty": 3}, "presence_penalty", "less than or equal to 2"),
+    ({"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+    ({"prompt": "a", "logit_bias": {"5": 101}}, "logit_bias", "less than or equal to 100"),
+    ({"prompt": "a", "logit_bias": {"256": 1}}, "logit_bias", "vocabulary (256 ids)"),
 ])
 def test_bad_requests_get_400_and_the_server_keeps_serving(seq2seq, body, param, message):
   status, answer = seq2seq.post("/v1/completions", body)
@@ -324,6 +346,51 @@ def test_prompt_logprobs_as_an_evaluation_harness_reads_them(llama):
                       ({"prompt": "a", "logprobs": 1, "stream": True}, "stream")]:
     status, error = server.post("/v1/completions", body, {"Authorization": "Bearer secret"})
     assert status == 400 and error["error"]["param"] == param, error
+
+
+def test_logit_bias_and_penalties_equal_transformers(llama):
+  """Greedy outputs under logit_bias equal transformers' generate with the same biases as
+  one-token `sequence_bias`; under OpenAI's presence and frequency penalties (which
+  transformers lacks), its logits at each step less frequency x count - presence x seen, over
+  the tokens generated so far. Token ids are the checkpoint's own."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  folder, server = llama
+  tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+  model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+  prompt = tokenizer(TEXTS[0])["input_ids"]
+
+  def served(**kwargs):
+    choice = server.client.completions.create(model=server.name, prompt=prompt, max_tokens=10,
+                                              temperature=0, logprobs=0, **kwargs).choices[0]
+    return tokenizer.convert_tokens_to_ids(choice.logprobs.tokens)
+
+  def transformers_greedy(bias, presence=0.0, frequency=0.0):
+    output = []
+    with torch.no_grad():
+      while len(output) < 10 and tokenizer.eos_token_id not in output:
+        logits = model(torch.tensor([prompt + output])).logits[0, -1].float()
+        counts = torch.bincount(torch.tensor(output, dtype=torch.long),
+                                minlength=logits.shape[0]).float()
+        logits = logits - frequency * counts - presence * (counts > 0).float()
+        for token, value in bias.items():
+          logits[token] += value
+        output.append(int(logits.argmax()))
+    return output
+
+  plain = served()
+  with torch.no_grad():
+    generated = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10,
+                               sequence_bias={(plain[1],): 3.0, (plain[0],): -1.0})
+  biased = served(logit_bias={str(plain[1]): 3.0, str(plain[0]): -1.0})
+  assert biased == generated[0, len(prompt):].tolist() != plain
+  # Negative penalties favour tokens already out (a random model's greedy output has no
+  # repeats to discourage); positive ones with a bias that would repeat its token.
+  for kwargs, bias in [(dict(presence_penalty=-1.0, frequency_penalty=-1.5), {}),
+                       (dict(presence_penalty=0.5, frequency_penalty=1.0), {plain[6]: 2.5})]:
+    got = served(logit_bias={str(k): v for k, v in bias.items()}, **kwargs)
+    assert got == transformers_greedy(bias, kwargs["presence_penalty"],
+                                      kwargs["frequency_penalty"]) != plain
 
 
 def test_streams_send_text_while_the_batch_decodes(llama):

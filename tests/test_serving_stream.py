@@ -27,10 +27,13 @@ def _predictor(kind, folder):
 
 
 def _rows(predictor):
-  """Greedy and sampled rows with their own settings and limits."""
+  """Greedy and sampled rows with their own settings (OpenAI's penalties too) and limits."""
   prompts = [np.asarray(predictor.family.prompt(predictor.tokenizer.encode(t))) for t in TEXTS]
+  penalties = [{}, {}, dict(frequency_penalty=0.8, logit_bias={40: 2.0}),
+               dict(presence_penalty=-1.0, frequency_penalty=-0.5)]
   return [batch_decoder.Row(p, 12 - i, [0.0, 1.0, 0.7, 0.0][i], [0, 5, 0, 0][i],
-                            [1.0, 0.9, 1.0, 1.0][i], 7, i, 0) for i, p in enumerate(prompts)]
+                            [1.0, 0.9, 1.0, 1.0][i], 7, i, 0, **penalties[i])
+          for i, p in enumerate(prompts)]
 
 
 def _one_call(decoder, rows):
@@ -45,13 +48,16 @@ def _one_call(decoder, rows):
       no_repeat_ngram_size=d.no_repeat_ngram_size, forced_bos_id=d.forced_bos_id)
 
   def decode(params, prompts, settings):
+    # Each row's OpenAI penalties and logit_bias first, as the server's segments apply them.
+    penalties = decoding.openai_penalties_processor(
+        settings["presence_penalty"], settings["frequency_penalty"], settings["bias_ids"],
+        settings["bias_values"])
+    last = None
     if d.forced_eos:
       eos = jnp.arange(family.model_config.vocab_size) == tokenizer_lib.EOS_ID
       last = lambda logits, step, sequences: jnp.where(
           (step == settings["max_tokens"] - 1)[:, None], jnp.where(eos, 0.0, -1e10), logits)
-      row_processor = decoding.chain_processors(processor, last)
-    else:
-      row_processor = processor
+    row_processor = decoding.chain_processors(penalties, processor, last)
     cache, tokens_to_logits, start_id = family.runner.start_decoding(params, prompts,
                                                               prompts.shape[0], length)
     keys = jax.vmap(lambda seed, prompt, choice: jax.random.fold_in(

@@ -48,9 +48,9 @@ import numpy as np
 from transformer_jax.inference.beam_search import (  # noqa: F401
     LENGTH_PENALTIES, beam_search, length_penalty)
 from transformer_jax.inference.logits_processors import (  # noqa: F401
-    banned_ids_processor, chain_processors, forced_bos_processor, forced_eos_processor,
-    make_logits_processor, min_length_processor, no_repeat_ngram_processor,
-    repetition_penalty_processor)
+    NO_TOKEN, banned_ids_processor, chain_processors, forced_bos_processor,
+    forced_eos_processor, make_logits_processor, min_length_processor,
+    no_repeat_ngram_processor, openai_penalties_processor, repetition_penalty_processor)
 from transformer_jax.inference.search_basics import (  # noqa: F401
     NEG_INF, Array, LogitsProcessor, TokensToLogits, as_eos, check, expand_cache,
     first_argmax, first_inputs, flat_batch_beam_expand, forced_tokens, token_logprob)
@@ -106,14 +106,19 @@ def _run_steps(state: tuple, body: Callable[[tuple], tuple], until: int | Array)
 def _decode_step(tokens_to_logits: TokensToLogits, choose: Callable[[Array, Array], Array], *,
                  eos_id: int, forced: Array | None, end_ids: Sequence[int],
                  logits_processor: LogitsProcessor | None,
-                 row_limits: Array | None) -> Callable[[tuple], tuple]:
-  """The decode loop's body: one token per row, state -> state (see `_initial_state`)."""
+                 row_limits: Array | None,
+                 row_processor: LogitsProcessor | None = None) -> Callable[[tuple], tuple]:
+  """The decode loop's body: one token per row, state -> state (see `_initial_state`).
+  `row_processor` (first) takes the whole batch whatever the step's shape; `logits_processor`
+  is given one row at a time where each row is at its own step."""
 
   def body(state):
     step, last, sequences, finished, logprobs, cache = state[:6]
     per_row = jnp.ndim(step) == 1  # each row at its own step (`start_rows`)
     logits, cache = tokens_to_logits(last, cache)  # [rows, vocab]
     logits = logits.astype(jnp.float32)
+    if row_processor is not None:
+      logits = row_processor(logits, step, sequences)
     if logits_processor is not None:
       logits = (jax.vmap(lambda x, at, seq: logits_processor(x[None], at, seq[None])[0])(
           logits, step, sequences) if per_row else logits_processor(logits, step, sequences))
@@ -413,7 +418,8 @@ def sample_steps(state: tuple, tokens_to_logits: TokensToLogits, rng: Array, *,
                  top_k: int | Array = 0,
                  top_p: float | Array = 1.0, end_ids: Sequence[int] = (),
                  logits_processor: LogitsProcessor | None = None,
-                 row_limits: Array | None = None, forced: Array | None = None) -> tuple:
+                 row_limits: Array | None = None, forced: Array | None = None,
+                 row_processor: LogitsProcessor | None = None) -> tuple:
   """`state` (from `start_sampling`, or `start_rows`: each row `steps` further) advanced by up
   to `steps` tokens, or fewer where every row finishes first. Runs `sample`'s own loop body,
   so that segments of any size compute what one
@@ -422,13 +428,15 @@ def sample_steps(state: tuple, tokens_to_logits: TokensToLogits, rng: Array, *,
   (Compiled apart, XLA may sum in another order where the callback's inputs are arguments
   rather than values of the same program: last-bit differences, docs/serving.md.)
   `forced`: int [rows, max_decode_len], the token forced at each step of each row, 0 where
-  none is (`forced_tokens`)."""
+  none is (`forced_tokens`). `row_processor`: a processor of the whole batch, before
+  `logits_processor` (per-row settings: `openai_penalties_processor`)."""
   check("temperature", temperature, lambda v: v >= 0, ">= 0")
   _check_filter(top_k, top_p)
   rows = state[1].shape[0]
   choose = _sampling_chooser(rng, rows, 1, temperature, top_k, top_p)
   body = _decode_step(tokens_to_logits, choose, eos_id=eos_id, forced=forced, end_ids=end_ids,
-                      logits_processor=logits_processor, row_limits=row_limits)
+                      logits_processor=logits_processor, row_limits=row_limits,
+                      row_processor=row_processor)
   until = jnp.minimum(state[0] + steps, state[2].shape[1])
   return _run_steps(state, body, until)
 

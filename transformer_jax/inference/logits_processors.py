@@ -53,6 +53,38 @@ def repetition_penalty_processor(penalty: float | Array) -> LogitsProcessor:
   return process
 
 
+# A pad entry of `openai_penalties_processor`'s bias ids: past every vocabulary, so dropped.
+NO_TOKEN = np.iinfo(np.int32).max
+
+
+def openai_penalties_processor(presence: Array, frequency: Array, bias_ids: Array,
+                               bias_values: Array) -> LogitsProcessor:
+  """OpenAI's per-row sampling penalties (each row its own request's): a token's logit less
+  `frequency` [rows] times the count of that token in the row's output so far, less
+  `presence` [rows] where it is there at all, plus the row's `logit_bias` (`bias_values`
+  [rows, k] added to the tokens `bias_ids` [rows, k], NO_TOKEN: no entry). The prompt is not
+  counted, as in OpenAI's and vLLM's presence and frequency penalties.
+
+  Unlike the other processors it takes the whole batch even where each row is at its own
+  step ([rows], continuous batching): its settings are per row. Rows that set none of them
+  cost one test a step."""
+
+  def process(logits, step, sequences):
+    def penalise(logits):
+      # A row's output is its first `step` tokens (the rest: zeros, which are an id too).
+      written = jnp.arange(sequences.shape[1])[None, :] < jnp.reshape(step, (-1, 1))
+      rows = jnp.arange(logits.shape[0])[:, None]
+      counts = jnp.zeros(logits.shape, jnp.float32).at[rows, sequences].add(
+          written.astype(jnp.float32))
+      logits = logits - frequency[:, None] * counts - jnp.where(counts > 0, presence[:, None],
+                                                               0.0)
+      return logits.at[rows, bias_ids].add(bias_values, mode="drop")
+
+    used = jnp.any(presence != 0) | jnp.any(frequency != 0) | jnp.any(bias_ids != NO_TOKEN)
+    return jax.lax.cond(used, penalise, lambda x: x, logits)
+  return process
+
+
 def no_repeat_ngram_processor(ngram_size: int) -> LogitsProcessor:
   """Bans every token that would complete an n-gram of `ngram_size` tokens already in the
   output (Hugging Face's NoRepeatNGramLogitsProcessor over the output tokens; its sequence

@@ -1,5 +1,6 @@
 """The compiled decode of a server's batch: rows of different requests, each with its own
-sampling settings (temperature, top_k, top_p), seed and output limit, decoded in segments of
+sampling settings (temperature, top_k, top_p, penalties, logit_bias), seed and output limit,
+decoded in segments of
 serve.stream_steps tokens (one compiled call fills the KV cache, each further call advances
 every row), so that streaming rows get their tokens while the batch decodes.
 
@@ -26,6 +27,9 @@ from transformer_jax.inference import decoding
 from transformer_jax.inference import generate
 from transformer_jax.model import lora as lora_lib
 
+# The most entries of one row's logit_bias: a fixed width keeps one compiled segment.
+LOGIT_BIAS_ENTRIES = 300
+
 
 @dataclasses.dataclass
 class Row:
@@ -41,6 +45,10 @@ class Row:
   prompt_index: int = 0
   choice: int = 0
   adapter: int = 0  # the row's named adapter (adapters.AdapterSet.index); 0: the base alone
+  # OpenAI's penalties of tokens already in the output, and logit_bias: {model's id: bias}.
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  logit_bias: dict[int, float] | None = None
   # Called from the decoding thread after each segment of serve.stream_steps tokens that
   # added some to this row, with all of its tokens so far (ids, log-probabilities; EOS
   # included where it ended): a streamed request's text is sent while its batch decodes.
@@ -220,7 +228,10 @@ def segment_function(runner, max_new: int, steps: int, decoding_config) -> Calla
         state, runner.step_logits(lora_lib.for_rows(params, rows["adapter"]), context),
         row_keys(rows), steps=steps, eos_id=tokenizer_lib.EOS_ID, end_ids=end_ids,
         temperature=rows["temperature"], top_k=rows["top_k"], top_p=rows["top_p"],
-        row_limits=rows["max_tokens"], logits_processor=processor, forced=forced)
+        row_limits=rows["max_tokens"], logits_processor=processor, forced=forced,
+        row_processor=decoding.openai_penalties_processor(
+            rows["presence_penalty"], rows["frequency_penalty"], rows["bias_ids"],
+            rows["bias_values"]))
     step, finished, ids, _, logprobs = decoding.sampling_progress(state)
     return (state, context, forced_firsts), {
         "step": jnp.broadcast_to(step, finished.shape), "finished": finished, "ids": ids,
@@ -260,7 +271,21 @@ def settings(rows: Sequence[Row], count: int) -> dict[str, np.ndarray]:
       "seed": column((r.seed % 2**31 for r in rows), np.int32, 0),
       "prompt_index": column((r.prompt_index for r in rows), np.int32, 0),
       "choice": column((r.choice for r in rows), np.int32, 0),
-      "adapter": column((r.adapter for r in rows), np.int32, 0)}
+      "adapter": column((r.adapter for r in rows), np.int32, 0),
+      "presence_penalty": column((r.presence_penalty for r in rows), np.float32, 0.0),
+      "frequency_penalty": column((r.frequency_penalty for r in rows), np.float32, 0.0),
+      **logit_biases(rows, count)}
+
+
+def logit_biases(rows: Sequence[Row], count: int) -> dict[str, np.ndarray]:
+  """Each row's logit_bias as LOGIT_BIAS_ENTRIES (id, bias) pairs, NO_TOKEN where none."""
+  ids = np.full((count, LOGIT_BIAS_ENTRIES), decoding.NO_TOKEN, np.int32)
+  biases = np.zeros((count, LOGIT_BIAS_ENTRIES), np.float32)
+  for i, row in enumerate(rows):
+    if row.logit_bias:
+      ids[i, :len(row.logit_bias)] = list(row.logit_bias)
+      biases[i, :len(row.logit_bias)] = list(row.logit_bias.values())
+  return {"bias_ids": ids, "bias_values": biases}
 
 
 def each_shape(every: list[tuple], shapes: Sequence[tuple] | None,

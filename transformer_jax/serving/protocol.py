@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import pydantic
 from pydantic import Field
 
 # Fields accepted only at these values (what they would change is not implemented).
-UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""),
-               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-               "logit_bias": (None, {}), "tools": (None, []), "response_format": (None,)}
+UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
+               "response_format": (None,)}
 TOP_LOGPROBS = 5  # the most alternatives per position (token_scores.TOP)
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+Bias = Annotated[float, Field(ge=-100, le=100)]
 
 
 class Sampling(pydantic.BaseModel):
@@ -35,6 +36,9 @@ class Sampling(pydantic.BaseModel):
   seed: int | None = None
   stream: bool = False
   stream_options: dict | None = None
+  presence_penalty: Penalty | None = None
+  frequency_penalty: Penalty | None = None
+  logit_bias: dict[str, Bias] | None = None  # the model's token ids (as text) -> bias
 
   def unsupported(self) -> str | None:
     """The first field set to a value this server cannot honour."""

@@ -44,17 +44,35 @@ class Prompts:
     if isinstance(text, str):
       ids = self.encoder.encode([text])[0][0]
     else:
-      ids = [int(i) for i in text]
-      to_internal = getattr(self.tokenizer, "to_internal", None)  # a checkpoint's own ids
-      try:
-        ids = list(to_internal(ids)) if to_internal and min(ids, default=0) >= 0 else ids
-      except (IndexError, KeyError, ValueError):
-        ids = [-1]
-      vocab = self.config.model.vocab_size
-      if any(not 0 < i < vocab for i in ids):
-        raise RequestError(f"{param}: token ids must be ids of the model's vocabulary "
-                           f"({vocab} ids).", param)
+      ids = self.model_ids(text, param)
     return self._fitted(ids, param)
+
+  def model_ids(self, ids: Sequence[int], param: str) -> list[int]:
+    """A request's token ids (the checkpoint's own) as the model's; RequestError where one is
+    not in its vocabulary."""
+    ids = [int(i) for i in ids]
+    to_internal = getattr(self.tokenizer, "to_internal", None)  # a checkpoint's own ids
+    try:
+      ids = list(to_internal(ids)) if to_internal and min(ids, default=0) >= 0 else ids
+    except (IndexError, KeyError, ValueError):
+      ids = [-1]
+    vocab = self.config.model.vocab_size
+    if any(not 0 < i < vocab for i in ids):
+      raise RequestError(f"{param}: token ids must be ids of the model's vocabulary "
+                         f"({vocab} ids).", param)
+    return ids
+
+  def logit_bias(self, bias: dict[str, float], most: int) -> dict[int, float]:
+    """A request's logit_bias ({token id as text: bias}) by the model's ids."""
+    if len(bias) > most:
+      raise RequestError(f"logit_bias has {len(bias)} entries; this server takes at most "
+                         f"{most}.", "logit_bias")
+    try:
+      keys = [int(key) for key in bias]
+    except ValueError:
+      raise RequestError("logit_bias: its keys must be token ids, such as \"50256\".",
+                         "logit_bias") from None
+    return dict(zip(self.model_ids(keys, "logit_bias"), bias.values()))
 
   def chat(self, messages: list[dict]) -> np.ndarray:
     """A chat's prompt: the rendered chat template with its generation prompt, or (a model
