@@ -9,20 +9,24 @@
 #   bash tools/gpu_session.sh lm OUT            # GPT-2 0.5B step: attention dropout, a trace
 #   bash tools/gpu_session.sh kernels OUT       # issue #59's table: kernels, steps, decoding
 #   bash tools/gpu_session.sh quantization OUT  # issue #60: int8 / int4 decode, QLoRA memory
+#   bash tools/gpu_session.sh serving OUT       # issue #58: static against continuous batching
 #
 # OUT collects the logs. Needs ml_collections, rouge-score and nltk where the image lacks them
 # (carried as wheels in .whl/) and, for the Multi30k runs, the corpus in .gpudata/multi30k/.
 # (kernels: tokamax and its needs too: tokamax, einshape, qwix, typeguard 2.13.3, immutabledict,
 # tensorboardx, pydantic + pydantic-core + typing-inspection + annotated-types,
-# typing-extensions. quantization: qwix, gguf and gguf's pyyaml and tqdm; not yet run on a GPU.)
+# typing-extensions. quantization: qwix, gguf and gguf's pyyaml and tqdm; not yet run on a GPU.
+# serving: fastapi, starlette, uvicorn, httptools, pydantic, pydantic-core, typing-inspection,
+# annotated-types; not yet run on a GPU.)
 # Copy the numbers into benchmarks/RESULTS.md (GPU section) with the device and jax version.
 # Never run two stages at once: each JAX process takes 75% of the GPU's memory up front (two
 # Multi30k runs side by side ran out of memory in issue #41's session).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 stage=${1:-} out=${2:-/tmp/gpu_session}
-if [[ ! $stage =~ ^(correctness|tests|speed|recipe|pretrained|lm|kernels|quantization)$ ]]; then
-  echo "usage: $0 correctness|tests|speed|recipe|pretrained|lm|kernels|quantization OUT" >&2
+stages="correctness|tests|speed|recipe|pretrained|lm|kernels|quantization|serving"
+if [[ ! $stage =~ ^($stages)$ ]]; then
+  echo "usage: $0 $stages OUT" >&2
   exit 2
 fi
 mkdir -p "$out"
@@ -118,6 +122,20 @@ case $stage in
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 benchmarks/compare_lora.py \
         --model qwen2.5-0.5b --batch_size 8 --seq_len 512 \
         --variants lora_bf16,lora_int4,lora_int4e 2>&1 | tail -1 | tee -a "$log"
+    ;;
+  serving)
+    # Issue #58's GPU goal (about 6 minutes): at 32 clients, continuous batching's requests/s
+    # >= 6x its requests/s at one client, on the mixed workload of benchmarks/RESULTS.md
+    # (max_tokens drawn from 8..128), the static server measured the same way first. The
+    # random SmolLM2-135M-size Llama is built on the CPU before any server takes the GPU; the
+    # servers' logs' ends go to servers.log.
+    JAX_PLATFORMS=cpu python3 -c "import sys; sys.path.insert(0, 'benchmarks'); \
+import serve_load; serve_load.make_smollm2_135m('/tmp/smol')" > "$out/make.log" 2>&1
+    timeout -s INT 480 python3 benchmarks/serve_load.py --smollm2_135m /tmp/smol \
+        --requests 128 --concurrency 1,8,32 --mixed 8,128 --short 32 --max_words 4 \
+        --compare_static -- --config.max_source_length=16 --config.max_target_length=128 \
+        2>&1 | tee "$out/serve_load.log"
+    tail -n 40 /tmp/serve_load_*.log > "$out/servers.log" 2>&1
     ;;
   kernels)
     # Issue #59's table in one device call (about 9 minutes; the device tool brings back at
