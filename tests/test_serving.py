@@ -100,8 +100,10 @@ def seq2seq(_seq2seq_servers, workdir):
   """The module's server, or a new one where a test stopped it: the SIGTERM test stops it, and
   xdist's worksteal may hand a worker tests of this module after that one."""
   if not _seq2seq_servers or _seq2seq_servers[-1].process.poll() is not None:
-    # Few compiled shapes: prompts of 8, 16, 24 tokens x batches of 1, 2, 4 rows.
-    _seq2seq_servers.append(Server("--workdir", workdir, MIN_LENGTH, max_batch_size=4))
+    # Few compiled shapes: prompts of 8, 16, 24 tokens x batches of 1, 2, 4 rows. A line per
+    # request (the SIGTERM test waits for its request's).
+    _seq2seq_servers.append(Server("--workdir", workdir, MIN_LENGTH,
+                                   "--config.serve.log_requests=true", max_batch_size=4))
   return _seq2seq_servers[-1]
 
 
@@ -111,7 +113,7 @@ def llama(tmp_path_factory):
   cache = tmp_path_factory.mktemp("compilation_cache")
   server = Server("--pretrained", folder, "--config.max_source_length=32",
                   "--config.max_target_length=16", "--compilation_cache", str(cache),
-                  api_key="secret")
+                  "--config.serve.log_stats_s=0.001", api_key="secret")
   server.compilation_cache = cache
   yield folder, server
   server.process.kill()
@@ -293,6 +295,10 @@ def test_decoder_only_raw_and_chat_equal_predict_greedy_and_need_the_key(llama):
   cut = server.client.completions.create(model=name, prompt=TEXTS[0], max_tokens=10,
                                          temperature=0, stop=[stop]).choices[0]
   assert cut.text == long.text[:long.text.index(stop)] and cut.finish_reason == "stop"
+  # No line per request by default; a stats line (every 0.001 s here) once rows are answered.
+  log = server.process.output()[1]
+  assert "rows answered" in log and "tokens generated" in log
+  assert "Received request" not in log and "POST /v1/completions" not in log
 
 
 def test_prompt_logprobs_as_an_evaluation_harness_reads_them(llama):

@@ -131,10 +131,12 @@ def test_text_stream_pieces_add_up_to_the_completion(llama_tokenizer, stop):
     assert expected.finish_reason == ("stop" if stop else "length")
 
 
-def test_stream_steps_below_one_is_a_one_line_error():
+@pytest.mark.parametrize("key, value, expected", [("stream_steps", 0, ">= 1"),
+                                                   ("log_stats_s", -1.0, ">= 0")])
+def test_bad_serve_settings_are_one_line_errors(key, value, expected):
   config = default_config.get_config()
-  config.serve.stream_steps = 0
+  config.serve[key] = value
   with pytest.raises(config_validation.ConfigError) as raised:
     config_validation.validate(config)
-  assert "config.serve.stream_steps=0 must be >= 1" in str(raised.value)
+  assert f"config.serve.{key}={value} must be {expected}" in str(raised.value)
   assert "\n" not in str(raised.value)

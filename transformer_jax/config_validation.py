@@ -94,6 +94,7 @@ RANGES = {
     "serve.max_queue": (1, None, True, True),
     "serve.max_n": (1, None, True, True),
     "serve.stream_steps": (1, None, True, True),
+    "serve.log_stats_s": (0, None, True, True),
     "model.vocab_size": (8, None, True, True),
     "model.emb_dim": (1, None, True, True),
     "model.num_heads": (1, None, True, True),

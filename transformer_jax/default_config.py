@@ -345,9 +345,11 @@ def get_config() -> ml_collections.ConfigDict:
   # stream_steps tokens per compiled call, and streamed requests get their new text after each
   # (fewer: sooner text, more host round trips). continuous_batching: rows finish and waiting
   # ones take their slots between those calls (False: each batch decodes to its end).
+  # log_requests: a log line per request (uvicorn's access line and the rows it queued);
+  # otherwise a line every log_stats_s seconds (0: none) while rows are answered.
   config.serve = ml_collections.ConfigDict(dict(
       max_batch_size=32, max_wait_ms=5.0, max_queue=1024, max_n=8, stream_steps=4,
-      continuous_batching=True))
+      continuous_batching=True, log_requests=False, log_stats_s=10.0))
   # Save a checkpoint every this many steps, and at the end.
   config.checkpoint_every_steps = 250
   # Keep the newest this many checkpoints.

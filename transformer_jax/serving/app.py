@@ -51,6 +51,7 @@ class Service:
     self.prompts = texts.Prompts(predictor)
     self.tokenizer = predictor.tokenizer
     self.max_n = predictor.config.serve.max_n
+    self.log_requests = predictor.config.serve.get("log_requests", False)
     self.scorer = None if self.classifier else token_scores.TokenScorer(self.decoder)
     self.adapters = self.decoder.adapters  # named adapters, or None
 
@@ -124,7 +125,8 @@ class Service:
       futures = self.engine.submit(rows)
     finally:
       _arrived(self.engine)
-    logging.info("Received request: %d rows queued.", len(rows))
+    if self.log_requests:
+      logging.info("Received request: %d rows queued.", len(rows))
     return futures
 
   async def run(self, rows: list[batch_decoder.Row]) -> list[batch_decoder.Output]:

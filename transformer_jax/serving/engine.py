@@ -10,7 +10,8 @@ batch_decoder.py). Requests the server has received but is still reading (`arriv
 by the app) are waited for a little longer (ARRIVING_WAIT_S): under a burst the event loop
 hands rows over one by one, and a batch started at once would hold only the first. Each row's result goes back through its own future, so a request is
 answered when all of its rows are, whichever batches they were in. A batch that fails is
-retried row by row, so that one bad row fails only its own request.
+retried row by row, so that one bad row fails only its own request. Every log_stats_s seconds
+in which rows were answered, a line says how many and how fast.
 """
 
 from __future__ import annotations
@@ -35,12 +36,36 @@ class QueueFullError(Exception):
   """More rows wait than serve.max_queue allows (HTTP 429)."""
 
 
+class _Stats:
+  """The rows answered and tokens generated since the last stats line, logged once
+  `every` seconds (0: never) have passed at an answer."""
+
+  def __init__(self, every: float):
+    self.every = every
+    self.since, self.rows, self.tokens = time.monotonic(), 0, 0
+
+  def answered(self, outputs: Sequence[batch_decoder.Output], decoding: int,
+               waiting: int) -> None:
+    if not self.every or not outputs:
+      return
+    self.rows += len(outputs)
+    self.tokens += sum(len(output.ids) for output in outputs)
+    now = time.monotonic()
+    span = now - self.since
+    if span >= self.every:
+      logging.info("In %.1f s: %d rows answered (%.1f/s), %d tokens generated (%.1f/s); %d "
+                   "rows decoding, %d waiting.", span, self.rows, self.rows / span,
+                   self.tokens, self.tokens / span, decoding, waiting)
+      self.since, self.rows, self.tokens = now, 0, 0
+
+
 class Engine:
   """Batches rows submitted from any thread onto `decoder`, in one background thread."""
 
   def __init__(self, decoder: batch_decoder.BatchDecoder, max_wait_ms: float, max_queue: int,
-               pool: slot_pool.SlotPool | None = None):
+               pool: slot_pool.SlotPool | None = None, log_stats_s: float = 0.0):
     self.decoder = decoder
+    self._stats = _Stats(log_stats_s)
     self.pool = pool
     self.max_wait = max_wait_ms / 1000
     self.max_queue = max_queue
@@ -126,8 +151,10 @@ class Engine:
         if live:
           self._pool_call(pool.admit, [row for row, _ in live], [f for _, f in live])
       if pool.live():
-        for future, output in self._pool_call(pool.advance) or []:
+        done = self._pool_call(pool.advance) or []
+        for future, output in done:
           future.set_result(output)
+        self._stats.answered([output for _, output in done], pool.live(), self._waiting)
 
   def _pool_call(self, call, *args):
     """A pool call; where it fails, every row in the pool fails with it (the pool starts
@@ -161,3 +188,4 @@ class Engine:
     logging.debug("Decoded %d rows in %.3f s.", len(batch), time.monotonic() - start)
     for (_, future), output in zip(batch, outputs):
       future.set_result(output)
+    self._stats.answered(outputs, 0, self._waiting)

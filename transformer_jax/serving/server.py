@@ -143,9 +143,13 @@ def run_serve(predictor: predict.Predictor, name: str, host: str = "127.0.0.1",
             f"{time.perf_counter() - start:.0f} s.", file=sys.stderr, flush=True)
       settle_heap()  # the compiled programs too
 
-  engine = engine_lib.Engine(decoder, serve.max_wait_ms, serve.max_queue, pool)
+  engine = engine_lib.Engine(decoder, serve.max_wait_ms, serve.max_queue, pool,
+                             serve.log_stats_s)
   app = app_lib.create_app(app_lib.Service(predictor, engine, name), api_key)
+  # A line per request only where asked for: at hundreds of requests a second, logging them
+  # took a tenth of the event loop.
   server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                         access_log=serve.log_requests,
                                          timeout_graceful_shutdown=300))
   # uvicorn re-raises the signal that stopped it once it has drained; a handler that does
   # nothing lets the drained server exit 0 instead of dying by SIGTERM.

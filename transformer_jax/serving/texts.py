@@ -10,7 +10,8 @@ max_tokens, or before the first of its stop strings.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import functools
+from typing import Any, Sequence
 
 from absl import logging
 import numpy as np
@@ -107,7 +108,15 @@ class Completion:
   token_ids: list[int]  # the tokens generated, EOS included, through the stop string if any
   logprobs: list[float]  # of each of token_ids
   finish_reason: str  # 'stop' (EOS or a stop string) or 'length' (max_tokens)
-  pieces: list[str]  # the text each token adds (empty where a character is still incomplete)
+  tokenizer: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+  @functools.cached_property
+  def pieces(self) -> list[str]:
+    """The text each token adds (empty where a character is still incomplete), for the
+    log-probabilities' text offsets: a decode per prefix, so only where asked for."""
+    ids = self.token_ids
+    return stream_pieces([self.tokenizer.decode(ids[:i]) for i in range(1, len(ids) + 1)],
+                         self.text)
 
 
 def completion(tokenizer, ids: np.ndarray, logprobs: np.ndarray, max_tokens: int,
@@ -117,8 +126,7 @@ def completion(tokenizer, ids: np.ndarray, logprobs: np.ndarray, max_tokens: int
   ended = tokenizer_lib.EOS_ID in ids
   if ended:
     ids = ids[:ids.index(tokenizer_lib.EOS_ID) + 1]
-  prefixes = [tokenizer.decode(ids[:i]) for i in range(1, len(ids) + 1)]
-  text = prefixes[-1] if prefixes else ""
+  text = tokenizer.decode(ids) if ids else ""
   finish = "stop" if ended else "length"
   stops = [(text.find(s), s) for s in stop if s and s in text]
   if stops:
@@ -126,11 +134,10 @@ def completion(tokenizer, ids: np.ndarray, logprobs: np.ndarray, max_tokens: int
     text = text[:at]
     finish = "stop"
     # The tokens through the one whose text reaches the stop string.
-    count = next(i + 1 for i, p in enumerate(prefixes)
-                 if any(s in p for s in stop if s))
-    ids, prefixes = ids[:count], prefixes[:count]
-  return Completion(text, ids, [float(x) for x in logprobs[:len(ids)]], finish,
-                    stream_pieces(prefixes, text))
+    count = next(i for i in range(1, len(ids) + 1)
+                 if any(s in tokenizer.decode(ids[:i]) for s in stop if s))
+    ids = ids[:count]
+  return Completion(text, ids, [float(x) for x in logprobs[:len(ids)]], finish, tokenizer)
 
 
 def stream_pieces(prefixes: list[str], text: str) -> list[str]:
