@@ -1,8 +1,8 @@
 """The compiled decode of a server's batch: rows of different requests, each with its own
 sampling settings (temperature, top_k, top_p, penalties, logit_bias), seed and output limit,
-decoded in segments of
-serve.stream_steps tokens (one compiled call fills the KV cache, each further call advances
-every row), so that streaming rows get their tokens while the batch decodes.
+decoded in segments of serve.stream_steps tokens (one compiled call fills the KV cache, each
+further call advances every row), so that streaming rows get their tokens while the batch
+decodes.
 
 Shapes are bucketed so that a server compiles a few programs, once: prompts are padded to a
 power of two >= 8 (at most config.max_source_length) and batches to devices x a power of two (at
