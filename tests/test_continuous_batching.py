@@ -49,9 +49,11 @@ def through_the_pool(pool, rows) -> dict:
   return outputs
 
 
-# Some rows with OpenAI's penalties and a logit_bias: each row's own in the pool too.
+# Some rows with OpenAI's penalties, a logit_bias, vLLM's min_tokens: each row's own in the
+# pool too.
 PENALTIES = {0: dict(presence_penalty=-1.0, frequency_penalty=0.5),
-             3: dict(frequency_penalty=1.0, logit_bias={40: 3.0, 41: -2.0})}
+             3: dict(frequency_penalty=1.0, logit_bias={40: 3.0, 41: -2.0}),
+             5: dict(min_tokens=5, logit_bias={1: 4.0})}  # EOS (id 1) favoured after 5
 
 
 def _rows(decoder):

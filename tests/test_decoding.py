@@ -520,6 +520,16 @@ def test_openai_penalties_count_each_rows_output_so_far(per_row):
   np.testing.assert_array_equal(unset(logits, step, sequences), logits)
 
 
+def test_min_tokens_bans_the_end_below_each_rows_own_count():
+  logits = jnp.zeros((3, 6))
+  ends = decoding.min_tokens_processor(jnp.array([2, 0, 5]), EOS, end_ids=(4,))
+  for step, banned_rows in [(jnp.array(1), [0, 2]), (jnp.array([2, 0, 4]), [2])]:
+    out = np.asarray(ends(logits, step, jnp.zeros((3, 5), jnp.int32)))
+    for row in range(3):
+      expected = decoding.NEG_INF if row in banned_rows else 0.0
+      assert out[row, EOS] == out[row, 4] == expected and (out[row, [0, 2, 3, 5]] == 0).all()
+
+
 def test_processor_sees_the_step_and_the_output_so_far():
   def no_repeat_and_end_at_3(logits, step, sequences):
     previous = jax.lax.dynamic_index_in_dim(sequences, jnp.maximum(step - 1, 0), axis=1)

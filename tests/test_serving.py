@@ -228,6 +228,7 @@ def test_logit_bias_rules_its_own_row_alone(seq2seq):
     ({"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias", "token ids"),
     ({"prompt": "a", "logit_bias": {"5": 101}}, "logit_bias", "less than or equal to 100"),
     ({"prompt": "a", "logit_bias": {"256": 1}}, "logit_bias", "vocabulary (256 ids)"),
+    ({"prompt": "a", "max_tokens": 3, "min_tokens": 4}, "min_tokens", "more than max_tokens=3"),
 ])
 def test_bad_requests_get_400_and_the_server_keeps_serving(seq2seq, body, param, message):
   status, answer = seq2seq.post("/v1/completions", body)
@@ -354,11 +355,12 @@ def test_prompt_logprobs_as_an_evaluation_harness_reads_them(llama):
     assert status == 400 and error["error"]["param"] == param, error
 
 
-def test_logit_bias_and_penalties_equal_transformers(llama):
+def test_logit_bias_penalties_and_min_tokens_equal_transformers(llama):
   """Greedy outputs under logit_bias equal transformers' generate with the same biases as
   one-token `sequence_bias`; under OpenAI's presence and frequency penalties (which
   transformers lacks), its logits at each step less frequency x count - presence x seen, over
-  the tokens generated so far. Token ids are the checkpoint's own."""
+  the tokens generated so far; under min_tokens, generate's min_new_tokens. Token ids are the
+  checkpoint's own."""
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   folder, server = llama
@@ -397,6 +399,17 @@ def test_logit_bias_and_penalties_equal_transformers(llama):
     got = served(logit_bias={str(k): v for k, v in bias.items()}, **kwargs)
     assert got == transformers_greedy(bias, kwargs["presence_penalty"],
                                       kwargs["frequency_penalty"]) != plain
+  # vLLM's min_tokens as transformers' min_new_tokens, where a bias makes EOS the favourite;
+  # ignore_eos: no EOS before max_tokens.
+  end = tokenizer.eos_token_id
+  assert served(logit_bias={str(end): 50.0}) == [end]
+  with torch.no_grad():
+    generated = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10,
+                               min_new_tokens=4, sequence_bias={(end,): 50.0})
+  got = served(logit_bias={str(end): 50.0}, extra_body={"min_tokens": 4})
+  assert got == generated[0, len(prompt):].tolist() and len(got) == 5
+  got = served(logit_bias={str(end): 50.0}, extra_body={"ignore_eos": True})
+  assert len(got) == 10 and end not in got
 
 
 def test_streams_send_text_while_the_batch_decodes(llama):

@@ -29,7 +29,8 @@ def _predictor(kind, folder):
 def _rows(predictor):
   """Greedy and sampled rows with their own settings (OpenAI's penalties too) and limits."""
   prompts = [np.asarray(predictor.family.prompt(predictor.tokenizer.encode(t))) for t in TEXTS]
-  penalties = [{}, {}, dict(frequency_penalty=0.8, logit_bias={40: 2.0}),
+  penalties = [dict(min_tokens=6, logit_bias={1: 3.0}), {},
+               dict(frequency_penalty=0.8, logit_bias={40: 2.0}),
                dict(presence_penalty=-1.0, frequency_penalty=-0.5)]
   return [batch_decoder.Row(p, 12 - i, [0.0, 1.0, 0.7, 0.0][i], [0, 5, 0, 0][i],
                             [1.0, 0.9, 1.0, 1.0][i], 7, i, 0, **penalties[i])
@@ -48,10 +49,14 @@ def _one_call(decoder, rows):
       no_repeat_ngram_size=d.no_repeat_ngram_size, forced_bos_id=d.forced_bos_id)
 
   def decode(params, prompts, settings):
-    # Each row's OpenAI penalties and logit_bias first, as the server's segments apply them.
-    penalties = decoding.openai_penalties_processor(
-        settings["presence_penalty"], settings["frequency_penalty"], settings["bias_ids"],
-        settings["bias_values"])
+    # Each row's penalties, logit_bias and min_tokens first, as the server's segments apply
+    # them.
+    penalties = decoding.chain_processors(
+        decoding.openai_penalties_processor(
+            settings["presence_penalty"], settings["frequency_penalty"], settings["bias_ids"],
+            settings["bias_values"]),
+        decoding.min_tokens_processor(settings["min_tokens"], tokenizer_lib.EOS_ID,
+                                      tuple(d.end_ids)))
     last = None
     if d.forced_eos:
       eos = jnp.arange(family.model_config.vocab_size) == tokenizer_lib.EOS_ID

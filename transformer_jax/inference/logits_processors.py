@@ -16,13 +16,26 @@ from transformer_jax.inference.search_basics import (NEG_INF, Array, LogitsProce
 def min_length_processor(min_length: int | Array, eos_id: int,
                          end_ids: Sequence[int] = ()) -> LogitsProcessor:
   """Bans EOS (and the further `end_ids`) at output positions below `min_length`: at least
-  that many tokens come first."""
+  that many tokens come first. `min_length` and `step` may each be one per row ([rows])."""
   check("min_length", min_length, lambda v: v >= 0, ">= 0")
 
   def process(logits, step, sequences):
     del sequences
     is_eos = jnp.isin(jnp.arange(logits.shape[-1]), jnp.asarray((eos_id, *end_ids)))
-    return jnp.where(is_eos & (step < min_length), NEG_INF, logits)
+    early = jnp.reshape(step, (-1, 1)) < jnp.reshape(min_length, (-1, 1))  # [rows or 1, 1]
+    return jnp.where(is_eos & early, NEG_INF, logits)
+  return process
+
+
+def min_tokens_processor(min_tokens: Array, eos_id: int,
+                         end_ids: Sequence[int] = ()) -> LogitsProcessor:
+  """vLLM's per-row `min_tokens` ([rows]): `min_length_processor` with each row's own, on the
+  whole batch (`step` one or per row); a step where no row needs it costs one test."""
+  ban = min_length_processor(min_tokens, eos_id, end_ids)
+
+  def process(logits, step, sequences):
+    return jax.lax.cond(jnp.any(step < min_tokens), ban, lambda x, *_: x, logits, step,
+                        sequences)
   return process
 
 

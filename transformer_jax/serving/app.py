@@ -107,16 +107,12 @@ class Service:
     top_p = request.top_p if request.top_p is not None else (d.top_p if sampled else 1.0)
     top_k = request.top_k if request.top_k is not None else (d.top_k if sampled else 0)
     seed = request.seed if request.seed is not None else secrets.randbits(31)
-    penalties = dict(
-        presence_penalty=request.presence_penalty or 0.0,
-        frequency_penalty=request.frequency_penalty or 0.0,
-        logit_bias=self.prompts.logit_bias(request.logit_bias, batch_decoder.LOGIT_BIAS_ENTRIES)
-        if request.logit_bias else None)
+    extras = self.prompts.row_extras(request, max_tokens, batch_decoder.LOGIT_BIAS_ENTRIES)
     rows = []
     for i, prompt in enumerate(prompts):
       for choice in range(request.n):
         rows.append(batch_decoder.Row(prompt, max_tokens, temperature, max(top_k, 0), top_p,
-                                      seed, i, choice, adapter, **penalties))
+                                      seed, i, choice, adapter, **extras))
     return rows, max_tokens
 
   def submit(self, rows: list[batch_decoder.Row]) -> list[concurrent.futures.Future]:

@@ -1,8 +1,8 @@
 """The compiled decode of a server's batch: rows of different requests, each with its own
-sampling settings (temperature, top_k, top_p, penalties, logit_bias), seed and output limit,
-decoded in segments of serve.stream_steps tokens (one compiled call fills the KV cache, each
-further call advances every row), so that streaming rows get their tokens while the batch
-decodes.
+sampling settings (temperature, top_k, top_p, penalties, logit_bias, min_tokens), seed and
+output limit, decoded in segments of serve.stream_steps tokens (one compiled call fills the KV
+cache, each further call advances every row), so that streaming rows get their tokens while
+the batch decodes.
 
 Shapes are bucketed so that a server compiles a few programs, once: prompts are padded to a
 power of two >= 8 (at most config.max_source_length) and batches to devices x a power of two (at
@@ -49,6 +49,7 @@ class Row:
   presence_penalty: float = 0.0
   frequency_penalty: float = 0.0
   logit_bias: dict[int, float] | None = None
+  min_tokens: int = 0  # vLLM's: no EOS (nor end id) before this many tokens
   # Called from the decoding thread after each segment of serve.stream_steps tokens that
   # added some to this row, with all of its tokens so far (ids, log-probabilities; EOS
   # included where it ended): a streamed request's text is sent while its batch decodes.
@@ -229,9 +230,11 @@ def segment_function(runner, max_new: int, steps: int, decoding_config) -> Calla
         row_keys(rows), steps=steps, eos_id=tokenizer_lib.EOS_ID, end_ids=end_ids,
         temperature=rows["temperature"], top_k=rows["top_k"], top_p=rows["top_p"],
         row_limits=rows["max_tokens"], logits_processor=processor, forced=forced,
-        row_processor=decoding.openai_penalties_processor(
-            rows["presence_penalty"], rows["frequency_penalty"], rows["bias_ids"],
-            rows["bias_values"]))
+        row_processor=decoding.chain_processors(
+            decoding.openai_penalties_processor(
+                rows["presence_penalty"], rows["frequency_penalty"], rows["bias_ids"],
+                rows["bias_values"]),
+            decoding.min_tokens_processor(rows["min_tokens"], tokenizer_lib.EOS_ID, end_ids)))
     step, finished, ids, _, logprobs = decoding.sampling_progress(state)
     return (state, context, forced_firsts), {
         "step": jnp.broadcast_to(step, finished.shape), "finished": finished, "ids": ids,
@@ -274,6 +277,7 @@ def settings(rows: Sequence[Row], count: int) -> dict[str, np.ndarray]:
       "adapter": column((r.adapter for r in rows), np.int32, 0),
       "presence_penalty": column((r.presence_penalty for r in rows), np.float32, 0.0),
       "frequency_penalty": column((r.frequency_penalty for r in rows), np.float32, 0.0),
+      "min_tokens": column((r.min_tokens for r in rows), np.int32, 0),
       **logit_biases(rows, count)}
 
 

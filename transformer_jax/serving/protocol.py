@@ -39,6 +39,9 @@ class Sampling(pydantic.BaseModel):
   presence_penalty: Penalty | None = None
   frequency_penalty: Penalty | None = None
   logit_bias: dict[str, Bias] | None = None  # the model's token ids (as text) -> bias
+  # vLLM's extensions: no EOS before min_tokens tokens; ignore_eos: none before max_tokens.
+  min_tokens: int = Field(0, ge=0)
+  ignore_eos: bool = False
 
   def unsupported(self) -> str | None:
     """The first field set to a value this server cannot honour."""

@@ -63,6 +63,19 @@ class Prompts:
                          f"({vocab} ids).", param)
     return ids
 
+  def row_extras(self, request, max_tokens: int, most_biases: int) -> dict:
+    """batch_decoder.Row's settings beyond sampling for a request (protocol.Sampling):
+    OpenAI's penalties and logit_bias (by the model's ids), vLLM's min_tokens / ignore_eos."""
+    if request.min_tokens > max_tokens:
+      raise RequestError(f"min_tokens={request.min_tokens} is more than max_tokens="
+                         f"{max_tokens}.", "min_tokens")
+    return dict(
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        logit_bias=self.logit_bias(request.logit_bias, most_biases) if request.logit_bias
+        else None,
+        min_tokens=max_tokens if request.ignore_eos else request.min_tokens)
+
   def logit_bias(self, bias: dict[str, float], most: int) -> dict[int, float]:
     """A request's logit_bias ({token id as text: bias}) by the model's ids."""
     if len(bias) > most:
