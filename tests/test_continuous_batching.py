@@ -232,3 +232,38 @@ def test_a_row_arriving_while_the_pool_decodes_enters_without_waiting_for_more(d
   finally:
     engine.max_wait = 0.0
     engine.close()
+
+
+def test_repetition_penalty_counts_a_decoder_only_prompt_as_transformers_does(tmp_path):
+  """transformers' repetition penalty counts a decoder-only model's whole input ids, the
+  prompt's too: one-call decoding, static segments and the pool give its greedy ids, for a
+  prompt that holds the token greedy search would pick next without the penalty."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  folder = hf_fixtures.tiny_model("llama", str(tmp_path / "llama"))
+  model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+  bos = transformers.AutoTokenizer.from_pretrained(folder).bos_token_id
+  rng = np.random.default_rng(0)
+  with torch.no_grad():
+    while True:  # random prompts until one holds its own greedy continuation
+      ids = [bos] + rng.integers(5, 790, size=8).tolist()
+      if int(model(torch.tensor([ids])).logits[0, -1].argmax()) in ids:
+        break
+    generate = lambda **kwargs: model.generate(torch.tensor([ids]), do_sample=False,
+                                               max_new_tokens=6, **kwargs)[0, 9:].tolist()
+    expected = generate(repetition_penalty=2.0)
+  assert expected != generate()
+  config = default_config.get_config()
+  config.max_source_length, config.max_target_length = 16, 8
+  config.decoding.repetition_penalty = 2.0
+  predictor = predict.Predictor.from_pretrained(folder, config)
+  to_hf = predictor.tokenizer.to_hf
+  prompt = np.asarray(predictor.family.prompt(predictor.tokenizer.to_internal(ids)))
+  one_call = predictor.output_ids([prompt], 1, predictor.decoding_config(
+      method="greedy", max_decode_len=6))[0]
+  assert to_hf(one_call[:6]) == expected
+  decoder = batch_decoder.BatchDecoder(predictor, 2, stream_steps=4)
+  row = batch_decoder.Row(prompt, 6)
+  assert to_hf(decoder.decode([row])[0].ids) == expected
+  pool = slot_pool.SlotPool(decoder)
+  assert to_hf(through_the_pool(pool, [row, row])[1].ids) == expected

@@ -491,6 +491,11 @@ def test_repetition_penalty():
   peaked = [-9.0, -9.0, 2.0, 1.8, 1.2]
   assert list(_greedy_fixed(peaked, 3)) == [2, 2, 2]
   assert list(_greedy_fixed(peaked, 3, processor=processor)) == [2, 3, 4]
+  # A decoder-only prompt's tokens count too, each input's over its consecutive rows (beams).
+  prompted = decoding.repetition_penalty_processor(2.0, prompt=jnp.array([[4, 0], [3, 4]]))
+  out = prompted(jnp.tile(logits, (4, 1)), 1, jnp.array([[2, 0]] * 4))
+  np.testing.assert_allclose(out[:2], [[2.0, -1.0, 1.5, 0.5, 0.5]] * 2)
+  np.testing.assert_allclose(out[2:], [[2.0, -1.0, 1.5, 0.25, 0.5]] * 2)
 
 
 @pytest.mark.parametrize("per_row", [False, True])

@@ -318,8 +318,9 @@ def get_config() -> ml_collections.ConfigDict:
       # own: for an imported checkpoint, renumbered (its pad is 0, its EOS 1; its
       # generation_config.json's bad_words_ids are added here).
       banned_ids=(),
-      # Every method: CTRL repetition penalty on tokens already in the output, > 0; 1 = off,
-      # above 1 discourages repeats.
+      # Every method: CTRL repetition penalty on tokens already in the output (a decoder-only
+      # model's prompt included, as transformers counts them), > 0; 1 = off, above 1
+      # discourages repeats.
       repetition_penalty=1.0,
       # Every method: no n-gram of this many tokens twice in an output (Hugging Face's
       # no_repeat_ngram_size; the decoder start token is not part of the output); 0 = off.

@@ -252,7 +252,8 @@ class SequenceFamily(Family):
                            max_len=max_len, nbest=nbest, forced_first=forced_first,
                            row_limits=self.output_limits(inputs, decoding_config),
                            reorder_cache=kv_cache.reorder_beams if beams > 1 else None,
-                           expand_beams=kv_cache.expand_beams if beams > 1 else None)
+                           expand_beams=kv_cache.expand_beams if beams > 1 else None,
+                           prompt=inputs if self.continues_prompt else None)
 
   def output_limits(self, inputs: Array, decoding_config: ml_collections.ConfigDict
                     ) -> Array | None:

@@ -73,7 +73,8 @@ def search(cache: Any, tokens_to_logits: decoding.TokensToLogits, rng: Array, *,
            max_len: int, nbest: int = 1, forced_first: Array | None = None,
            row_limits: Array | None = None,
            reorder_cache: Callable[[Any, Array], Any] | None = None,
-           expand_beams: Callable[[Any, int], Any] | None = None) -> tuple[Array, Array]:
+           expand_beams: Callable[[Any, int], Any] | None = None,
+           prompt: Array | None = None) -> tuple[Array, Array]:
   """Runs the configured search: ([b, nbest, max_len] output ids, [b, nbest] scores), best
   first. Scores are what the search ranks by: the length-penalised log-probability for beam
   search, the log-probability for greedy and sampled outputs.
@@ -85,7 +86,9 @@ def search(cache: Any, tokens_to_logits: decoding.TokensToLogits, rng: Array, *,
   none) instead of `forced_bos_id` (each row's target language); `row_limits` [b]: output
   tokens per example before an EOS that ends it (a decoder-only prompt's room under
   `decoding.max_total_len`); `reorder_cache`, `expand_beams`: how beam search reorders the
-  cache's rows and expands them to its beams (decoding.beam_search).
+  cache's rows and expands them to its beams (decoding.beam_search); `prompt` [b, len]: a
+  decoder-only model's prompts, whose tokens the repetition penalty counts as Hugging Face's
+  does.
   """
   d = decoding_config
   end_ids = tuple(d.end_ids)
@@ -97,7 +100,7 @@ def search(cache: Any, tokens_to_logits: decoding.TokensToLogits, rng: Array, *,
                         repetition_penalty=d.repetition_penalty,
                         no_repeat_ngram_size=d.no_repeat_ngram_size,
                         forced_bos_id=d.forced_bos_id if forced_first is None else forced_first,
-                        forced_eos=d.forced_eos),
+                        forced_eos=d.forced_eos, prompt=prompt),
                     None if row_limits is None else _ended_at(row_limits)))
   if d.method == "beam":
     dummy_inputs = jnp.zeros((batch_size, 1), jnp.int32)  # beam_search reads only its shape

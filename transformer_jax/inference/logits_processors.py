@@ -50,16 +50,23 @@ def banned_ids_processor(banned_ids: Sequence[int]) -> LogitsProcessor:
   return process
 
 
-def repetition_penalty_processor(penalty: float | Array) -> LogitsProcessor:
+def repetition_penalty_processor(penalty: float | Array,
+                                 prompt: Array | None = None) -> LogitsProcessor:
   """CTRL's repetition penalty (Keskar et al., 2019): each token already in the output has its
   logit divided by `penalty` when positive, multiplied by it when negative (1 = off; > 1
-  discourages repeats). Id 0 (padding) is never penalised."""
+  discourages repeats). Id 0 (padding) is never penalised. `prompt` [b, len] (0: padding):
+  the tokens of each input's prompt count as seen too, as Hugging Face's processor counts a
+  decoder-only model's whole input ids; its rows repeat over each input's consecutive rows
+  (beams, samples). Needs the whole batch (not one row at a time)."""
   check("repetition_penalty", penalty, lambda v: v > 0, "> 0")
 
   def process(logits, step, sequences):
     del step
     rows = jnp.arange(logits.shape[0])[:, None]  # [n, 1]
     seen = jnp.zeros(logits.shape, bool).at[rows, sequences].set(True)  # [n, vocab]
+    if prompt is not None:
+      seen = seen.at[rows, jnp.repeat(prompt, logits.shape[0] // prompt.shape[0], axis=0)].set(
+          True)
     seen = seen.at[:, 0].set(False)  # sequences hold 0 from `step` on
     penalised = jnp.where(logits > 0, logits / penalty, logits * penalty)
     return jnp.where(seen, penalised, logits)
@@ -177,13 +184,14 @@ def chain_processors(*processors: LogitsProcessor | None) -> LogitsProcessor | N
 def make_logits_processor(*, eos_id: int, end_ids: Sequence[int] = (), min_length: int = 0,
                           banned_ids: Sequence[int] = (),
                           repetition_penalty: float = 1.0, no_repeat_ngram_size: int = 0,
-                          forced_bos_id: int | Array = -1,
-                          forced_eos: bool = False) -> LogitsProcessor | None:
+                          forced_bos_id: int | Array = -1, forced_eos: bool = False,
+                          prompt: Array | None = None) -> LogitsProcessor | None:
   """The processor for the `decoding` config's settings (None when all are off), in Hugging
-  Face's order: repetition penalty, no-repeat n-grams, banned ids, min length, forced BOS,
-  forced EOS."""
+  Face's order: repetition penalty (counting `prompt`'s tokens too, where given), no-repeat
+  n-grams, banned ids, min length, forced BOS, forced EOS."""
   return chain_processors(
-      repetition_penalty_processor(repetition_penalty) if repetition_penalty != 1.0 else None,
+      repetition_penalty_processor(repetition_penalty, prompt) if repetition_penalty != 1.0
+      else None,
       no_repeat_ngram_processor(no_repeat_ngram_size) if no_repeat_ngram_size else None,
       banned_ids_processor(banned_ids) if len(banned_ids) else None,
       min_length_processor(min_length, eos_id, end_ids) if min_length else None,

@@ -111,12 +111,13 @@ class BatchDecoder:
   def _segment_functions(self, decoding_config) -> tuple[Callable, Callable]:
     """The two compiled halves of a batch's decode, segment by segment:
       start(params, prompts [rows, len], per-row settings) -> carried state (the prompts read,
-        the KV cache filled, nothing generated), as `split_prompt` and the runner's prefill
-        read prompts in one-call decoding (a many-direction workdir's per-row target code);
+        the KV cache filled, nothing generated; the prompts kept for the repetition penalty),
+        as `split_prompt` and the runner's prefill read prompts in one-call decoding (a
+        many-direction workdir's per-row target code);
       advance(params, carried, settings) -> (carried, progress): `segment_function`'s.
     """
     family, length = self.family, self.max_new_tokens
-    advance = segment_function(family.runner, length, self.stream_steps, decoding_config)
+    advance = segment_function(family, length, self.stream_steps, decoding_config)
 
     def start(params, prompts, rows):
       inputs, forced_first, row_starts = family.split_prompt(prompts)
@@ -126,7 +127,7 @@ class BatchDecoder:
           cache, batch_size=prompts.shape[0], max_decode_len=length,
           bos_id=start_id if row_starts is None else row_starts)
       firsts = jnp.zeros(prompts.shape[:1], jnp.int32) if forced_first is None else forced_first
-      return state, context, firsts
+      return state, context, firsts, inputs
 
     return start, advance
 
@@ -207,17 +208,19 @@ class BatchDecoder:
             for i, limit in enumerate(limits)]
 
 
-def segment_function(runner, max_new: int, steps: int, decoding_config) -> Callable:
+def segment_function(family, max_new: int, steps: int, decoding_config) -> Callable:
   """advance(params, carried, settings) -> (carried, progress): up to `steps` more tokens for
   every row (decoding.sample_steps: `decoding.sample`'s own loop body) of `carried` = (sampling
-  state, runner context, [rows] first tokens to force, 0: none), each row with its own
-  settings and named adapter; `progress` = {step, finished, ids, logprobs} per row so far."""
-  end_ids = tuple(decoding_config.end_ids)
+  state, runner context, [rows] first tokens to force, 0: none, [rows, len] prompts), each row
+  with its own settings and named adapter; `progress` = {step, finished, ids, logprobs} per
+  row so far."""
+  runner, end_ids = family.runner, tuple(decoding_config.end_ids)
   forced_eos = decoding_config.forced_eos
   processor = logits_processor(decoding_config)
+  penalty = decoding_config.repetition_penalty
 
   def advance(params, carried, rows):
-    state, context, forced_firsts = carried
+    state, context, forced_firsts, prompts = carried
     # A many-direction workdir's target code, first; then Hugging Face's forced_eos_token_id,
     # EOS at the row's last position (it wins, as in --mode predict's processors).
     forced = jnp.zeros((forced_firsts.shape[0], max_new), jnp.int32).at[:, 0].set(
@@ -231,12 +234,16 @@ def segment_function(runner, max_new: int, steps: int, decoding_config) -> Calla
         temperature=rows["temperature"], top_k=rows["top_k"], top_p=rows["top_p"],
         row_limits=rows["max_tokens"], logits_processor=processor, forced=forced,
         row_processor=decoding.chain_processors(
+            # A decoder-only prompt's tokens count as seen, as in one-call decoding.
+            decoding.repetition_penalty_processor(
+                penalty, prompts if family.continues_prompt else None) if penalty != 1.0
+            else None,
             decoding.openai_penalties_processor(
                 rows["presence_penalty"], rows["frequency_penalty"], rows["bias_ids"],
                 rows["bias_values"]),
             decoding.min_tokens_processor(rows["min_tokens"], tokenizer_lib.EOS_ID, end_ids)))
     step, finished, ids, _, logprobs = decoding.sampling_progress(state)
-    return (state, context, forced_firsts), {
+    return (state, context, forced_firsts, prompts), {
         "step": jnp.broadcast_to(step, finished.shape), "finished": finished, "ids": ids,
         "logprobs": logprobs}
 
@@ -309,13 +316,14 @@ def each_shape(every: list[tuple], shapes: Sequence[tuple] | None,
 
 def logits_processor(decoding_config):
   """The checkpoint's logits processors (banned ids, min length, ...): they apply to every
-  request, as they do in --mode predict; all but the forced EOS, which `segment_function`
+  request, as they do in --mode predict; all but the repetition penalty, which
+  `segment_function` applies first with each row's prompt, and the forced EOS, which it
   forces at each row's own last position."""
   d = decoding_config
   return decoding.make_logits_processor(
       eos_id=tokenizer_lib.EOS_ID, end_ids=tuple(d.end_ids), min_length=d.min_length,
-      banned_ids=tuple(d.banned_ids), repetition_penalty=d.repetition_penalty,
-      no_repeat_ngram_size=d.no_repeat_ngram_size, forced_bos_id=d.forced_bos_id)
+      banned_ids=tuple(d.banned_ids), no_repeat_ngram_size=d.no_repeat_ngram_size,
+      forced_bos_id=d.forced_bos_id)
 
 
 def row_keys(rows: dict) -> jax.Array:

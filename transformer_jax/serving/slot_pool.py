@@ -89,7 +89,7 @@ class SlotPool:
     (carried, progress), as BatchDecoder's segments."""
     family, runner = self.family, self.family.runner
     max_new = self.decoder.max_new_tokens
-    segment = batch_decoder.segment_function(runner, max_new, self.decoder.stream_steps,
+    segment = batch_decoder.segment_function(family, max_new, self.decoder.stream_steps,
                                              decoding_config)
 
     def empty(params, prompts):
@@ -100,10 +100,10 @@ class SlotPool:
                                                      max_new)[:2])
       cache, context = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
       state = decoding.start_rows(cache, rows=prompts.shape[0], max_decode_len=max_new)
-      return state, context, jnp.zeros((prompts.shape[0],), jnp.int32)
+      return state, context, jnp.zeros((prompts.shape[0],), jnp.int32), jnp.zeros_like(prompts)
 
     def refill(params, carried, new, packed_rows):
-      state, context, forced_firsts = carried
+      state, context, forced_firsts, prompts = carried
       inputs, forced_first, row_starts = family.split_prompt(new["prompts"])
       packing = (new["places"], packed_rows) if packed_rows else None
       cache, context, starts = runner.refill(lora_lib.for_rows(params, new["adapter"]),
@@ -111,7 +111,14 @@ class SlotPool:
       starts = starts if row_starts is None else row_starts
       forced_firsts = forced_firsts.at[new["row_ids"]].set(
           0 if forced_first is None else forced_first, mode="drop")
-      return decoding.refill_rows(state, cache, new["row_ids"], starts), context, forced_firsts
+      # Each slot's prompt (left-aligned, at most the pool's source length; packed refills'
+      # rows are as wide as the packed row) for the repetition penalty.
+      width, kept = inputs.shape[1], prompts.shape[1]
+      fitted = (inputs[:, :kept] if width >= kept else
+                jnp.pad(inputs, ((0, 0), (0, kept - width))))
+      prompts = prompts.at[new["row_ids"]].set(fitted, mode="drop")
+      return (decoding.refill_rows(state, cache, new["row_ids"], starts), context, forced_firsts,
+              prompts)
 
     def advance(params, carried, rows, live):
       if live < carried[2].shape[0]:  # the first `live` slots only, written back in place
