@@ -766,3 +766,17 @@ def _is_norm(name: str) -> bool:
   Llama's and Gemma's `*_layernorm`, q/k norms (`q_norm`, `k_norm`) and final `norm`."""
   return ("layernorm" in name.lower() or ".ln_" in f".{name}"
           or name.endswith("norm.weight"))
+
+
+def prompt_holding_its_continuation(model, bos_id: int, seed: int = 0) -> list[int]:
+  """Ids of a prompt (BOS and 8 random tokens) that holds the token a transformers causal LM
+  `model` would pick next: where the repetition penalty counts the prompt, it changes the
+  greedy output; where it counts the output alone, it does not."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed)
+  with torch.no_grad():
+    while True:
+      ids = [bos_id] + rng.integers(5, model.config.vocab_size - 10, size=8).tolist()
+      if int(model(torch.tensor([ids])).logits[0, -1].argmax()) in ids:
+        return ids

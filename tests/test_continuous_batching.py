@@ -49,9 +49,10 @@ def through_the_pool(pool, rows) -> dict:
   return outputs
 
 
-# Some rows with OpenAI's penalties, a logit_bias, vLLM's min_tokens: each row's own in the
-# pool too.
+# Some rows with OpenAI's penalties, a logit_bias, vLLM's min_tokens and repetition penalty:
+# each row's own in the pool too.
 PENALTIES = {0: dict(presence_penalty=-1.0, frequency_penalty=0.5),
+             2: dict(repetition_penalty=1.8),
              3: dict(frequency_penalty=1.0, logit_bias={40: 3.0, 41: -2.0}),
              5: dict(min_tokens=5, logit_bias={1: 4.0})}  # EOS (id 1) favoured after 5
 
@@ -237,22 +238,19 @@ def test_a_row_arriving_while_the_pool_decodes_enters_without_waiting_for_more(d
 def test_repetition_penalty_counts_a_decoder_only_prompt_as_transformers_does(tmp_path):
   """transformers' repetition penalty counts a decoder-only model's whole input ids, the
   prompt's too: one-call decoding, static segments and the pool give its greedy ids, for a
-  prompt that holds the token greedy search would pick next without the penalty."""
+  prompt that holds the token greedy search would pick next without the penalty; a row's own
+  penalty (a request's) replaces the config's."""
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   folder = hf_fixtures.tiny_model("llama", str(tmp_path / "llama"))
   model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-  bos = transformers.AutoTokenizer.from_pretrained(folder).bos_token_id
-  rng = np.random.default_rng(0)
+  ids = hf_fixtures.prompt_holding_its_continuation(
+      model, transformers.AutoTokenizer.from_pretrained(folder).bos_token_id)
   with torch.no_grad():
-    while True:  # random prompts until one holds its own greedy continuation
-      ids = [bos] + rng.integers(5, 790, size=8).tolist()
-      if int(model(torch.tensor([ids])).logits[0, -1].argmax()) in ids:
-        break
     generate = lambda **kwargs: model.generate(torch.tensor([ids]), do_sample=False,
                                                max_new_tokens=6, **kwargs)[0, 9:].tolist()
-    expected = generate(repetition_penalty=2.0)
-  assert expected != generate()
+    expected, plain = generate(repetition_penalty=2.0), generate()
+  assert expected != plain
   config = default_config.get_config()
   config.max_source_length, config.max_target_length = 16, 8
   config.decoding.repetition_penalty = 2.0
@@ -266,4 +264,6 @@ def test_repetition_penalty_counts_a_decoder_only_prompt_as_transformers_does(tm
   row = batch_decoder.Row(prompt, 6)
   assert to_hf(decoder.decode([row])[0].ids) == expected
   pool = slot_pool.SlotPool(decoder)
-  assert to_hf(through_the_pool(pool, [row, row])[1].ids) == expected
+  unpenalised = batch_decoder.Row(prompt, 6, repetition_penalty=1.0)
+  outputs = through_the_pool(pool, [row, unpenalised, row])
+  assert to_hf(outputs[2].ids) == expected and to_hf(outputs[1].ids) == plain

@@ -229,6 +229,7 @@ def test_logit_bias_rules_its_own_row_alone(seq2seq):
     ({"prompt": "a", "logit_bias": {"5": 101}}, "logit_bias", "less than or equal to 100"),
     ({"prompt": "a", "logit_bias": {"256": 1}}, "logit_bias", "vocabulary (256 ids)"),
     ({"prompt": "a", "max_tokens": 3, "min_tokens": 4}, "min_tokens", "more than max_tokens=3"),
+    ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
 ])
 def test_bad_requests_get_400_and_the_server_keeps_serving(seq2seq, body, param, message):
   status, answer = seq2seq.post("/v1/completions", body)
@@ -355,12 +356,12 @@ def test_prompt_logprobs_as_an_evaluation_harness_reads_them(llama):
     assert status == 400 and error["error"]["param"] == param, error
 
 
-def test_logit_bias_penalties_and_min_tokens_equal_transformers(llama):
+def test_sampling_extras_equal_transformers(llama):
   """Greedy outputs under logit_bias equal transformers' generate with the same biases as
   one-token `sequence_bias`; under OpenAI's presence and frequency penalties (which
   transformers lacks), its logits at each step less frequency x count - presence x seen, over
-  the tokens generated so far; under min_tokens, generate's min_new_tokens. Token ids are the
-  checkpoint's own."""
+  the tokens generated so far; under min_tokens, generate's min_new_tokens; under
+  repetition_penalty, generate's. Token ids are the checkpoint's own."""
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   folder, server = llama
@@ -410,6 +411,15 @@ def test_logit_bias_penalties_and_min_tokens_equal_transformers(llama):
   assert got == generated[0, len(prompt):].tolist() and len(got) == 5
   got = served(logit_bias={str(end): 50.0}, extra_body={"ignore_eos": True})
   assert len(got) == 10 and end not in got
+  # vLLM's repetition_penalty as transformers', which counts the prompt's tokens too.
+  held = hf_fixtures.prompt_holding_its_continuation(model, tokenizer.bos_token_id)
+  with torch.no_grad():
+    generated = model.generate(torch.tensor([held]), do_sample=False, max_new_tokens=10,
+                               repetition_penalty=2.0)[0, len(held):].tolist()
+  choice = server.client.completions.create(
+      model=server.name, prompt=held, max_tokens=10, temperature=0, logprobs=0,
+      extra_body={"repetition_penalty": 2.0}).choices[0]
+  assert tokenizer.convert_tokens_to_ids(choice.logprobs.tokens) == generated
 
 
 def test_streams_send_text_while_the_batch_decodes(llama):

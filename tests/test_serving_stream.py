@@ -45,13 +45,17 @@ def _one_call(decoder, rows):
   d, family, length = decoder.predictor.config.decoding, decoder.family, decoder.max_new_tokens
   processor = decoding.make_logits_processor(
       eos_id=tokenizer_lib.EOS_ID, end_ids=tuple(d.end_ids), min_length=d.min_length,
-      banned_ids=tuple(d.banned_ids), repetition_penalty=d.repetition_penalty,
-      no_repeat_ngram_size=d.no_repeat_ngram_size, forced_bos_id=d.forced_bos_id)
+      banned_ids=tuple(d.banned_ids), no_repeat_ngram_size=d.no_repeat_ngram_size,
+      forced_bos_id=d.forced_bos_id)
 
   def decode(params, prompts, settings):
-    # Each row's penalties, logit_bias and min_tokens first, as the server's segments apply
-    # them.
+    # Each row's repetition penalty (a decoder-only prompt's tokens counted), penalties,
+    # logit_bias and min_tokens first, as the server's segments apply them.
+    repeats = jnp.where(settings["repetition_penalty"] > 0, settings["repetition_penalty"],
+                        d.repetition_penalty)
     penalties = decoding.chain_processors(
+        decoding.repetition_penalty_processor(
+            repeats, prompts if family.continues_prompt else None),
         decoding.openai_penalties_processor(
             settings["presence_penalty"], settings["frequency_penalty"], settings["bias_ids"],
             settings["bias_values"]),

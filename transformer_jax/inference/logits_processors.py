@@ -54,7 +54,8 @@ def repetition_penalty_processor(penalty: float | Array,
                                  prompt: Array | None = None) -> LogitsProcessor:
   """CTRL's repetition penalty (Keskar et al., 2019): each token already in the output has its
   logit divided by `penalty` when positive, multiplied by it when negative (1 = off; > 1
-  discourages repeats). Id 0 (padding) is never penalised. `prompt` [b, len] (0: padding):
+  discourages repeats); one for all rows or one per row ([rows]). Id 0 (padding) is never
+  penalised. `prompt` [b, len] (0: padding):
   the tokens of each input's prompt count as seen too, as Hugging Face's processor counts a
   decoder-only model's whole input ids; its rows repeat over each input's consecutive rows
   (beams, samples). Needs the whole batch (not one row at a time)."""
@@ -68,7 +69,8 @@ def repetition_penalty_processor(penalty: float | Array,
       seen = seen.at[rows, jnp.repeat(prompt, logits.shape[0] // prompt.shape[0], axis=0)].set(
           True)
     seen = seen.at[:, 0].set(False)  # sequences hold 0 from `step` on
-    penalised = jnp.where(logits > 0, logits / penalty, logits * penalty)
+    per_row = jnp.reshape(penalty, (-1, 1))
+    penalised = jnp.where(logits > 0, logits / per_row, logits * per_row)
     return jnp.where(seen, penalised, logits)
   return process
 

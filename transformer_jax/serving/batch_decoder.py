@@ -50,6 +50,7 @@ class Row:
   frequency_penalty: float = 0.0
   logit_bias: dict[int, float] | None = None
   min_tokens: int = 0  # vLLM's: no EOS (nor end id) before this many tokens
+  repetition_penalty: float | None = None  # vLLM's; None: the checkpoint's decoding config's
   # Called from the decoding thread after each segment of serve.stream_steps tokens that
   # added some to this row, with all of its tokens so far (ids, log-probabilities; EOS
   # included where it ended): a streamed request's text is sent while its batch decodes.
@@ -217,10 +218,19 @@ def segment_function(family, max_new: int, steps: int, decoding_config) -> Calla
   runner, end_ids = family.runner, tuple(decoding_config.end_ids)
   forced_eos = decoding_config.forced_eos
   processor = logits_processor(decoding_config)
-  penalty = decoding_config.repetition_penalty
 
   def advance(params, carried, rows):
     state, context, forced_firsts, prompts = carried
+    # Each row's repetition penalty (0: the config's), counting a decoder-only prompt's tokens
+    # as one-call decoding does; skipped where every row's is 1.
+    penalty = jnp.where(rows["repetition_penalty"] > 0, rows["repetition_penalty"],
+                        decoding_config.repetition_penalty)
+    repeats = decoding.repetition_penalty_processor(
+        penalty, prompts if family.continues_prompt else None)
+
+    def repetition(logits, step, sequences):
+      return jax.lax.cond(jnp.any(penalty != 1.0), repeats, lambda x, *_: x, logits, step,
+                          sequences)
     # A many-direction workdir's target code, first; then Hugging Face's forced_eos_token_id,
     # EOS at the row's last position (it wins, as in --mode predict's processors).
     forced = jnp.zeros((forced_firsts.shape[0], max_new), jnp.int32).at[:, 0].set(
@@ -234,10 +244,7 @@ def segment_function(family, max_new: int, steps: int, decoding_config) -> Calla
         temperature=rows["temperature"], top_k=rows["top_k"], top_p=rows["top_p"],
         row_limits=rows["max_tokens"], logits_processor=processor, forced=forced,
         row_processor=decoding.chain_processors(
-            # A decoder-only prompt's tokens count as seen, as in one-call decoding.
-            decoding.repetition_penalty_processor(
-                penalty, prompts if family.continues_prompt else None) if penalty != 1.0
-            else None,
+            repetition,
             decoding.openai_penalties_processor(
                 rows["presence_penalty"], rows["frequency_penalty"], rows["bias_ids"],
                 rows["bias_values"]),
@@ -285,6 +292,7 @@ def settings(rows: Sequence[Row], count: int) -> dict[str, np.ndarray]:
       "presence_penalty": column((r.presence_penalty for r in rows), np.float32, 0.0),
       "frequency_penalty": column((r.frequency_penalty for r in rows), np.float32, 0.0),
       "min_tokens": column((r.min_tokens for r in rows), np.int32, 0),
+      "repetition_penalty": column((r.repetition_penalty or 0.0 for r in rows), np.float32, 0.0),
       **logit_biases(rows, count)}
 
 
@@ -317,8 +325,8 @@ def each_shape(every: list[tuple], shapes: Sequence[tuple] | None,
 def logits_processor(decoding_config):
   """The checkpoint's logits processors (banned ids, min length, ...): they apply to every
   request, as they do in --mode predict; all but the repetition penalty, which
-  `segment_function` applies first with each row's prompt, and the forced EOS, which it
-  forces at each row's own last position."""
+  `segment_function` applies first with each row's prompt (and each row's own, where a
+  request sets one), and the forced EOS, which it forces at each row's own last position."""
   d = decoding_config
   return decoding.make_logits_processor(
       eos_id=tokenizer_lib.EOS_ID, end_ids=tuple(d.end_ids), min_length=d.min_length,

@@ -39,9 +39,11 @@ class Sampling(pydantic.BaseModel):
   presence_penalty: Penalty | None = None
   frequency_penalty: Penalty | None = None
   logit_bias: dict[str, Bias] | None = None  # the model's token ids (as text) -> bias
-  # vLLM's extensions: no EOS before min_tokens tokens; ignore_eos: none before max_tokens.
+  # vLLM's extensions: no EOS before min_tokens tokens; ignore_eos: none before max_tokens;
+  # transformers' repetition penalty (None: the model's decoding config's).
   min_tokens: int = Field(0, ge=0)
   ignore_eos: bool = False
+  repetition_penalty: float | None = Field(None, gt=0)
 
   def unsupported(self) -> str | None:
     """The first field set to a value this server cannot honour."""

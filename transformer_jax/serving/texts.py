@@ -65,7 +65,8 @@ class Prompts:
 
   def row_extras(self, request, max_tokens: int, most_biases: int) -> dict:
     """batch_decoder.Row's settings beyond sampling for a request (protocol.Sampling):
-    OpenAI's penalties and logit_bias (by the model's ids), vLLM's min_tokens / ignore_eos."""
+    OpenAI's penalties and logit_bias (by the model's ids), vLLM's min_tokens / ignore_eos /
+    repetition_penalty."""
     if request.min_tokens > max_tokens:
       raise RequestError(f"min_tokens={request.min_tokens} is more than max_tokens="
                          f"{max_tokens}.", "min_tokens")
@@ -74,7 +75,8 @@ class Prompts:
         frequency_penalty=request.frequency_penalty or 0.0,
         logit_bias=self.logit_bias(request.logit_bias, most_biases) if request.logit_bias
         else None,
-        min_tokens=max_tokens if request.ignore_eos else request.min_tokens)
+        min_tokens=max_tokens if request.ignore_eos else request.min_tokens,
+        repetition_penalty=request.repetition_penalty)
 
   def logit_bias(self, bias: dict[str, float], most: int) -> dict[int, float]:
     """A request's logit_bias ({token id as text: bias}) by the model's ids."""
