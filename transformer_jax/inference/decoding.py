@@ -50,7 +50,8 @@ from transformer_jax.inference.beam_search import (  # noqa: F401
 from transformer_jax.inference.logits_processors import (  # noqa: F401
     NO_TOKEN, banned_ids_processor, chain_processors, forced_bos_processor,
     forced_eos_processor, make_logits_processor, min_length_processor, min_tokens_processor,
-    no_repeat_ngram_processor, openai_penalties_processor, repetition_penalty_processor)
+    no_repeat_ngram_processor, only_where, openai_penalties_processor,
+    repetition_penalty_processor)
 from transformer_jax.inference.search_basics import (  # noqa: F401
     NEG_INF, Array, LogitsProcessor, TokensToLogits, as_eos, check, expand_cache,
     first_argmax, first_inputs, flat_batch_beam_expand, forced_tokens, token_logprob)

@@ -4,7 +4,7 @@ logits`, applied to the model's logits before a search sees them (see decoding.p
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,12 +31,8 @@ def min_tokens_processor(min_tokens: Array, eos_id: int,
                          end_ids: Sequence[int] = ()) -> LogitsProcessor:
   """vLLM's per-row `min_tokens` ([rows]): `min_length_processor` with each row's own, on the
   whole batch (`step` one or per row); a step where no row needs it costs one test."""
-  ban = min_length_processor(min_tokens, eos_id, end_ids)
-
-  def process(logits, step, sequences):
-    return jax.lax.cond(jnp.any(step < min_tokens), ban, lambda x, *_: x, logits, step,
-                        sequences)
-  return process
+  return only_where(lambda step: jnp.any(step < min_tokens),
+                    min_length_processor(min_tokens, eos_id, end_ids))
 
 
 def banned_ids_processor(banned_ids: Sequence[int]) -> LogitsProcessor:
@@ -55,10 +51,10 @@ def repetition_penalty_processor(penalty: float | Array,
   """CTRL's repetition penalty (Keskar et al., 2019): each token already in the output has its
   logit divided by `penalty` when positive, multiplied by it when negative (1 = off; > 1
   discourages repeats); one for all rows or one per row ([rows]). Id 0 (padding) is never
-  penalised. `prompt` [b, len] (0: padding):
-  the tokens of each input's prompt count as seen too, as Hugging Face's processor counts a
-  decoder-only model's whole input ids; its rows repeat over each input's consecutive rows
-  (beams, samples). Needs the whole batch (not one row at a time)."""
+  penalised. `prompt` [b, len] (0: padding): the tokens of each input's prompt count as seen
+  too, as Hugging Face's processor counts a decoder-only model's whole input ids; its rows
+  repeat over each input's consecutive rows (beams, samples). Needs the whole batch (not one
+  row at a time)."""
   check("repetition_penalty", penalty, lambda v: v > 0, "> 0")
 
   def process(logits, step, sequences):
@@ -91,19 +87,26 @@ def openai_penalties_processor(presence: Array, frequency: Array, bias_ids: Arra
   step ([rows], continuous batching): its settings are per row. Rows that set none of them
   cost one test a step."""
 
-  def process(logits, step, sequences):
-    def penalise(logits):
-      # A row's output is its first `step` tokens (the rest: zeros, which are an id too).
-      written = jnp.arange(sequences.shape[1])[None, :] < jnp.reshape(step, (-1, 1))
-      rows = jnp.arange(logits.shape[0])[:, None]
-      counts = jnp.zeros(logits.shape, jnp.float32).at[rows, sequences].add(
-          written.astype(jnp.float32))
-      logits = logits - frequency[:, None] * counts - jnp.where(counts > 0, presence[:, None],
-                                                               0.0)
-      return logits.at[rows, bias_ids].add(bias_values, mode="drop")
+  def penalise(logits, step, sequences):
+    # A row's output is its first `step` tokens (the rest: zeros, which are an id too).
+    written = jnp.arange(sequences.shape[1])[None, :] < jnp.reshape(step, (-1, 1))
+    rows = jnp.arange(logits.shape[0])[:, None]
+    counts = jnp.zeros(logits.shape, jnp.float32).at[rows, sequences].add(
+        written.astype(jnp.float32))
+    logits = logits - frequency[:, None] * counts - jnp.where(counts > 0, presence[:, None],
+                                                             0.0)
+    return logits.at[rows, bias_ids].add(bias_values, mode="drop")
 
-    used = jnp.any(presence != 0) | jnp.any(frequency != 0) | jnp.any(bias_ids != NO_TOKEN)
-    return jax.lax.cond(used, penalise, lambda x: x, logits)
+  return only_where(lambda step: jnp.any(presence != 0) | jnp.any(frequency != 0) |
+                    jnp.any(bias_ids != NO_TOKEN), penalise)
+
+
+def only_where(needed: Callable[[Array], Array], processor: LogitsProcessor) -> LogitsProcessor:
+  """`processor` at a step where `needed(step)` (a traced bool) holds, else the logits as they
+  are: per-row settings that no row of a batch uses cost one test a step."""
+
+  def process(logits, step, sequences):
+    return jax.lax.cond(needed(step), processor, lambda x, *_: x, logits, step, sequences)
   return process
 
 

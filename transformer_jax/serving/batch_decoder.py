@@ -225,12 +225,10 @@ def segment_function(family, max_new: int, steps: int, decoding_config) -> Calla
     # as one-call decoding does; skipped where every row's is 1.
     penalty = jnp.where(rows["repetition_penalty"] > 0, rows["repetition_penalty"],
                         decoding_config.repetition_penalty)
-    repeats = decoding.repetition_penalty_processor(
-        penalty, prompts if family.continues_prompt else None)
-
-    def repetition(logits, step, sequences):
-      return jax.lax.cond(jnp.any(penalty != 1.0), repeats, lambda x, *_: x, logits, step,
-                          sequences)
+    repetition = decoding.only_where(
+        lambda step: jnp.any(penalty != 1.0),
+        decoding.repetition_penalty_processor(penalty,
+                                              prompts if family.continues_prompt else None))
     # A many-direction workdir's target code, first; then Hugging Face's forced_eos_token_id,
     # EOS at the row's last position (it wins, as in --mode predict's processors).
     forced = jnp.zeros((forced_firsts.shape[0], max_new), jnp.int32).at[:, 0].set(
